@@ -1,0 +1,25 @@
+"""Imports every module that registers built-in parts (loaded on the first registry lookup)."""
+
+# Stage implementations (each module registers with rlpipe.stage.stage).
+import rlpipe.stages.generate  # noqa: F401
+import rlpipe.stages.reward  # noqa: F401
+import rlpipe.stages.balance  # noqa: F401
+import rlpipe.stages.logprobs  # noqa: F401
+import rlpipe.stages.advantage  # noqa: F401
+import rlpipe.stages.update  # noqa: F401
+import rlpipe.stages.weight_sync  # noqa: F401
+import rlpipe.stages.filter_groups  # noqa: F401
+import rlpipe.stages.rollout_correction  # noqa: F401
+import rlpipe.stages.critic  # noqa: F401
+
+# RL math registries (advantage_estimator, policy_loss, kl_penalty ...).
+import rlpipe.stages.algos.advantages  # noqa: F401
+import rlpipe.stages.algos.policy_loss  # noqa: F401
+
+# Data and rewards.
+import rlpipe.stages.datasets  # noqa: F401
+import rlpipe.stages.scorers  # noqa: F401
+
+# Engine parts: worker roles and modes.
+import rlpipe.engine.workers  # noqa: F401
+import rlpipe.modes.sync  # noqa: F401

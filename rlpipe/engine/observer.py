@@ -1,0 +1,92 @@
+"""Execution records and the observer interface.
+
+The executor produces one :class:`NodeRecord` per (step, node) execution and
+hands it to the run's observers. Stages only return metrics; lineage (which
+weights, which impl, which input produced which output) is added here, by the
+engine. :mod:`rlpipe.engine.mlflow_observer` is the MLflow implementation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class NodeRecord:
+    """Lineage of one node execution."""
+
+    run_id: str
+    """Engine run id (the MLflow parent run id when tracking is on)."""
+    step: int
+    """Global step of the DAG execution."""
+    node: str
+    """Node name in the pipeline."""
+    kind: str
+    """Stage kind."""
+    impl: str
+    """Registered implementation name."""
+    params: dict[str, Any]
+    """Resolved params of the implementation."""
+    params_hash: str
+    """Hash of the resolved params (stable across runs)."""
+    code_hash: str
+    """Hash of the implementation's source."""
+    input_fingerprint: str
+    """Fingerprint of the input batch (empty for source nodes)."""
+    output_fingerprint: str
+    """Fingerprint of the batch after this node."""
+    rows_in: int
+    rows_out: int
+    policy_versions: list[int]
+    """Distinct policy versions present in the output's token_versions (sorted)."""
+    trainer_version: int
+    """The trainer's policy version when the node ran."""
+    start_time: float
+    duration_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Observer(Protocol):
+    """Receives the life of a run. Implementations must not raise on tracking trouble they can survive."""
+
+    def on_run_start(self, config: dict[str, Any], pipeline_yaml: str, plan_summary: dict[str, Any]) -> str:
+        """Called once before step 0; returns the run id."""
+        ...
+
+    def on_node_end(self, record: NodeRecord) -> None:
+        """Called after every node execution."""
+        ...
+
+    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None) -> None:
+        """Called after every global step with headline metrics and (optionally) a pyarrow table of sampled trajectories."""
+        ...
+
+    def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """A file or directory produced by the run (a saved model, a checkpoint)."""
+        ...
+
+    def on_run_end(self, status: str, error: str | None = None) -> None:
+        """Called once; status is FINISHED, FAILED or KILLED. Everything produced so far must be persisted."""
+        ...
+
+
+class NullObserver:
+    """Tracking off."""
+
+    def on_run_start(self, config, pipeline_yaml, plan_summary) -> str:
+        import uuid
+
+        return uuid.uuid4().hex
+
+    def on_node_end(self, record: NodeRecord) -> None:
+        pass
+
+    def on_step_end(self, step, metrics, trajectories) -> None:
+        pass
+
+    def on_artifact(self, local_path, artifact_path=None) -> None:
+        pass
+
+    def on_run_end(self, status, error=None) -> None:
+        pass

@@ -1,0 +1,180 @@
+"""The stage contract: what a DAG node is, independent of how it runs.
+
+A stage implementation is registered under its kind (``stage.<kind>``) with
+
+* a pydantic ``Params`` model (``extra="forbid"``; defaults live there),
+* the columns it ``reads`` and ``writes`` (name → Arrow type), possibly
+  depending on its params,
+* where it runs: ``placement="task"`` (a pure function over the batch, run as a
+  Ray task), ``placement="worker"`` with a ``role`` (a function of the worker
+  state that holds a model, run inside every worker of that role on its shard),
+  or ``placement="driver"`` (an orchestration stage that calls worker methods
+  through ``ctx.workers``; weight_sync is one).
+
+A stage never imports Ray or MLflow and never mutates its input: it returns a
+:class:`StageResult` with only the columns it adds or replaces (or, for a
+stage that creates or selects rows, a whole new table / the rows to keep).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Protocol
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from rlpipe.registry import registry
+from rlpipe.schemas.batch import column_type
+
+# The kinds of the step DAG, in their canonical order. Optional kinds take part
+# only when a pipeline declares them.
+STEP_KINDS = (
+    "generate",
+    "reward",
+    "filter_groups",
+    "staleness_guard",
+    "balance",
+    "old_log_prob",
+    "ref",
+    "rollout_correction",
+    "critic_values",
+    "advantage",
+    "critic_update",
+    "update",
+    "weight_sync",
+)
+REQUIRED_KINDS = ("generate", "reward", "balance", "old_log_prob", "advantage", "update", "weight_sync")
+
+Placement = Literal["task", "worker", "driver"]
+
+
+class NoParams(BaseModel):
+    """A stage without parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageParams(BaseModel):
+    """Base of every stage's params model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+Columns = Mapping[str, pa.DataType]
+ColumnsFn = Callable[[Any], Columns]
+
+
+def cols(*names: str, **custom: pa.DataType) -> dict[str, pa.DataType]:
+    """Column contract from well-known names (typed by the batch schema) plus custom ones."""
+    out = {name: column_type(name) for name in names}
+    out.update(custom)
+    return out
+
+
+@dataclass
+class StageResult:
+    """What a stage returns.
+
+    columns: added or replaced columns (same row count and order as the input).
+    table: a whole new table (stages that create rows, e.g. generate).
+    keep: row indices of the input to keep (stages that select rows, e.g. filter_groups);
+        applied before ``columns``, which are then aligned with the kept rows.
+    metrics: scalar metrics, named ``<kind>/<metric>`` by the engine.
+    """
+
+    columns: dict[str, pa.Array] = field(default_factory=dict)
+    table: pa.Table | None = None
+    keep: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    """What the engine tells a stage about the current execution."""
+
+    step: int
+    """Global step (0-based) of this execution of the DAG."""
+    seed: int
+    """Run seed; combine with ``step`` for per-step randomness."""
+    policy_version: int = 0
+    """Version of the weights the trainer holds when the stage runs."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    workers: "WorkerCalls | None" = None
+    """Driver stages only: call methods of worker roles."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Mode-specific information (e.g. the staleness bound for the guard)."""
+
+
+class WorkerCalls(Protocol):
+    """The engine's facade for driver stages (implemented on Ray by the executor)."""
+
+    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every worker of ``role`` (or only ``rank``); returns the results."""
+        ...
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A registered stage implementation."""
+
+    kind: str
+    impl: str
+    fn: Callable[..., StageResult]
+    params_model: type[BaseModel]
+    reads: Columns | ColumnsFn
+    writes: Columns | ColumnsFn
+    placement: Placement = "task"
+    role: str | None = None
+    creates_rows: bool = False
+
+    def read_columns(self, params: BaseModel) -> dict[str, pa.DataType]:
+        return dict(self.reads(params) if callable(self.reads) else self.reads)
+
+    def write_columns(self, params: BaseModel) -> dict[str, pa.DataType]:
+        return dict(self.writes(params) if callable(self.writes) else self.writes)
+
+    @property
+    def code_hash(self) -> str:
+        """Hash of the implementation's source: lineage records which code ran."""
+        try:
+            source = inspect.getsource(self.fn)
+        except (OSError, TypeError):
+            source = f"{self.fn.__module__}.{self.fn.__qualname__}"
+        return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def stage_registry(kind: str):
+    """The registry of implementations of stage ``kind``."""
+    return registry(f"stage.{kind}")
+
+
+def stage(
+    kind: str,
+    impl: str,
+    *,
+    reads: Columns | ColumnsFn,
+    writes: Columns | ColumnsFn,
+    params: type[BaseModel] = NoParams,
+    placement: Placement = "task",
+    role: str | None = None,
+    creates_rows: bool = False,
+) -> Callable[[Callable[..., StageResult]], Callable[..., StageResult]]:
+    """Register a stage implementation.
+
+    Task stages are ``fn(batch, params, ctx)``; worker stages are
+    ``fn(worker_state, batch, params, ctx)``; driver stages are
+    ``fn(batch, params, ctx)`` with ``ctx.workers`` set.
+    """
+    if placement == "worker" and not role:
+        raise ValueError(f"worker stage {kind}/{impl} needs a role")
+
+    def decorate(fn: Callable[..., StageResult]) -> Callable[..., StageResult]:
+        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows)
+        stage_registry(kind).add(impl, spec)
+        return fn
+
+    return decorate

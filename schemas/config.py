@@ -1,0 +1,227 @@
+"""The pipeline config: what a ``pipeline.yaml`` may say.
+
+Every model forbids unknown keys and documents every field; defaults live here
+and nowhere else. Stage and mode params are validated against the params model
+their implementation registers (see :mod:`rlpipe.engine.plan`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class TokenizerConfig(Strict):
+    """Where the tokenizer comes from: a local Hugging Face directory, or built locally."""
+
+    path: str | None = None
+    """Local directory of a Hugging Face tokenizer. Nothing is downloaded."""
+    chars: str | None = None
+    """Build a character-level tokenizer over these characters (plus <pad>, <bos>, <eos>)."""
+    byte_level: bool = False
+    """Build a byte-level BPE-free tokenizer (256 byte tokens plus specials)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TokenizerConfig":
+        given = [name for name in ("path", "chars") if getattr(self, name)] + (["byte_level"] if self.byte_level else [])
+        if len(given) != 1:
+            raise ValueError(
+                "tokenizer needs exactly one source: set `path` (a local HF tokenizer directory), "
+                f"`chars` (a character vocabulary) or `byte_level: true`; got {given or 'none'}"
+            )
+        return self
+
+
+class ArchitectureConfig(Strict):
+    """A model built from scratch (random init) from these sizes; the vocabulary comes from the tokenizer."""
+
+    family: Literal["qwen2", "llama"] = "qwen2"
+    """Hugging Face architecture family."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int | None = Field(None, ge=1)
+    """Key/value heads (grouped-query attention); defaults to num_heads."""
+    intermediate_size: int = Field(128, ge=8)
+    """MLP width."""
+    max_position_embeddings: int = Field(512, ge=16)
+    """Longest prompt + response the model supports."""
+    tie_word_embeddings: bool = True
+    """Share input and output embeddings."""
+
+
+class ModelConfig(Strict):
+    """The policy (and, by default, reference) model."""
+
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM. Nothing is downloaded."""
+    architecture: ArchitectureConfig | None = None
+    """Build a randomly initialized model of this shape instead of loading `path`."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trainer (rollout uses the same unless overridden)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.architecture is None):
+            raise ValueError(
+                "model needs exactly one of `path` (a local HF model directory) or "
+                "`architecture` (sizes of a model built from scratch)"
+            )
+        return self
+
+
+class DataConfig(Strict):
+    """Where prompts come from."""
+
+    source: str = "digits"
+    """Registered dataset name (`rlpipe stages` lists them under `dataset`)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Params of the dataset, validated by its params model."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts drawn per global step (train_batch_size in verl); each yields `n` samples."""
+    max_prompt_length: int = Field(64, ge=1)
+    """Prompts longer than this (in tokens) are an error naming the row."""
+    shuffle: bool = True
+    """Reshuffle every epoch with the run seed."""
+
+
+class OptimizerConfig(Strict):
+    """AdamW."""
+
+    lr: float = Field(1e-4, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+
+
+class LRScheduleConfig(Strict):
+    """Learning-rate schedule; counts *local* updates (total_steps × updates per step)."""
+
+    name: Literal["constant", "cosine", "linear"] = "constant"
+    """Shape after warmup."""
+    warmup_updates: int = Field(0, ge=0)
+    """Linear warmup length, in local updates."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final LR as a fraction of the peak (cosine and linear)."""
+
+
+class TrainerConfig(Strict):
+    """The actor: how updates are made."""
+
+    total_steps: int = Field(10, ge=1)
+    """Global steps to run."""
+    dp_size: int = Field(1, ge=1)
+    """Data-parallel trainer workers (torch.distributed, gloo on CPU)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each global batch."""
+    ppo_mini_batch_size: int | None = Field(None, ge=1)
+    """Prompts per optimizer step (one local update); None = the whole global batch."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Rows per forward/backward on one worker; gradients accumulate over micro-batches."""
+    parameter_sync_step: int = Field(1, ge=1)
+    """Local updates per weight push; all of them use the same π_old."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None disables clipping."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    """Learning-rate schedule."""
+    save_every: int = Field(0, ge=0)
+    """Save the policy as a HF model directory every N steps (0 = only at the end)."""
+    output_dir: str = "outputs"
+    """Where checkpoints and the final model go (a run-named folder below it)."""
+    torch_threads: int = Field(1, ge=1)
+    """intra-op threads per worker process (keep workers from oversubscribing cores)."""
+
+
+class ResourcesConfig(Strict):
+    """Where things run."""
+
+    ray_address: str | None = None
+    """Ray cluster address; None = `RAY_ADDRESS` from the environment, else a local Ray."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of a local Ray (None = all)."""
+    rollout_replicas: int = Field(1, ge=1)
+    """Rollout engine actors; prompts are split across them."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the embedded torch backends."""
+
+
+class TrackingConfig(Strict):
+    """MLflow tracking and lineage."""
+
+    enabled: bool = True
+    """Log to MLflow. Off only for throwaway runs."""
+    uri: str | None = None
+    """Tracking URI; None = `MLFLOW_TRACKING_URI`, else a local sqlite store in the working directory."""
+    experiment: str = "rlpipe"
+    """MLflow experiment name."""
+    sample_trajectories: int = Field(16, ge=0)
+    """Trajectories per step saved to the trajectories Parquet artifact."""
+
+
+class StageConfig(Strict):
+    """One node of the step DAG."""
+
+    kind: str
+    """Stage kind: generate, reward, balance, old_log_prob, ref, advantage, update, weight_sync, ..."""
+    impl: str
+    """Registered implementation name under that kind (`rlpipe stages` lists them)."""
+    name: str | None = None
+    """Node name (defaults to the kind); must be unique in the pipeline."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Params of the implementation, validated by its params model."""
+
+    @property
+    def node_name(self) -> str:
+        return self.name or self.kind
+
+
+class PipelineConfig(Strict):
+    """A whole pipeline: the YAML's top level."""
+
+    name: str = "rlpipe"
+    """Run name (MLflow run name and output folder)."""
+    seed: int = 0
+    """Seed of everything random: data order, sampling, initialization."""
+    mode: str = "sync"
+    """Trainer mode: a registered mode name (sync, colocate_async, separate_async)."""
+    mode_params: dict[str, Any] = Field(default_factory=dict)
+    """Params of the mode, validated by its params model."""
+    model: ModelConfig
+    """The policy model."""
+    tokenizer: TokenizerConfig
+    """The policy tokenizer."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompt source."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """How the actor trains."""
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    """Where things run."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """MLflow and lineage."""
+    stages: list[StageConfig]
+    """The nodes of the step DAG; order does not matter, the column contracts wire them."""
+
+    @model_validator(mode="after")
+    def _unique_nodes(self) -> "PipelineConfig":
+        seen: set[str] = set()
+        for node in self.stages:
+            if node.node_name in seen:
+                raise ValueError(
+                    f"two stages are named {node.node_name!r}; give one of them a distinct `name:`"
+                )
+            seen.add(node.node_name)
+        return self
