@@ -7,6 +7,8 @@ right edge (left padding, as prompts are fed to a causal LM).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -57,7 +59,10 @@ def to_padded(
     width = int(lens.max(initial=0)) if width is None else width
     if lens.size and lens.max(initial=0) > width:
         raise ValueError(f"row of length {int(lens.max())} does not fit width {width}")
-    flat = torch.from_numpy(np.ascontiguousarray(values))
+    with warnings.catch_warnings():
+        # Arrow buffers are read-only; we only read them (zero-copy), never write.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(np.ascontiguousarray(values))
     if dtype is not None:
         flat = flat.to(dtype)
     out = torch.full((len(lens), width), pad_value, dtype=flat.dtype)

@@ -57,6 +57,8 @@ class Registry(Generic[T]):
         self._items[name] = obj
 
     def get(self, name: str) -> T:
+        if name in self._items:  # plugins only matter on a miss (importing them all costs seconds)
+            return self._items[name]
         load_plugins()
         try:
             return self._items[name]
@@ -95,8 +97,12 @@ def load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    try:
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
+    except BaseException:
+        _loaded = False  # a later lookup retries and shows the same import error
+        raise
     for ep in entry_points(group=PLUGIN_GROUP):
         try:
             target = ep.load()

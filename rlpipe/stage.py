@@ -51,16 +51,14 @@ REQUIRED_KINDS = ("generate", "reward", "balance", "old_log_prob", "advantage", 
 Placement = Literal["task", "worker", "driver"]
 
 
-class NoParams(BaseModel):
-    """A stage without parameters."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class StageParams(BaseModel):
-    """Base of every stage's params model: unknown keys are errors."""
+    """Base of every stage's params model: unknown keys are errors; field docstrings are descriptions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class NoParams(StageParams):
+    """A stage without parameters."""
 
 
 Columns = Mapping[str, pa.DataType]
@@ -82,13 +80,16 @@ class StageResult:
     table: a whole new table (stages that create rows, e.g. generate).
     keep: row indices of the input to keep (stages that select rows, e.g. filter_groups);
         applied before ``columns``, which are then aligned with the kept rows.
-    metrics: scalar metrics, named ``<kind>/<metric>`` by the engine.
+    metrics: scalar metrics, named ``<kind>/<metric>`` by the stage itself.
     """
 
     columns: dict[str, pa.Array] = field(default_factory=dict)
     table: pa.Table | None = None
     keep: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    carry: dict[str, Any] = field(default_factory=dict)
+    """State handed to this node's next execution as ``ctx.carry`` (e.g. an adaptive KL
+    coefficient); the engine keeps and checkpoints it, so stages stay stateless."""
 
 
 @dataclass
@@ -106,7 +107,9 @@ class StageContext:
     workers: "WorkerCalls | None" = None
     """Driver stages only: call methods of worker roles."""
     extras: dict[str, Any] = field(default_factory=dict)
-    """Mode-specific information (e.g. the staleness bound for the guard)."""
+    """Run information from the engine: ``temperature`` (the generate node's), mode-specific values."""
+    carry: dict[str, Any] = field(default_factory=dict)
+    """What this node returned as ``StageResult.carry`` at its previous execution."""
 
 
 class WorkerCalls(Protocol):
@@ -139,12 +142,12 @@ class StageSpec:
 
     @property
     def code_hash(self) -> str:
-        """Hash of the implementation's source: lineage records which code ran."""
+        """Hash of the implementation (its name and source): lineage records which code ran."""
         try:
             source = inspect.getsource(self.fn)
         except (OSError, TypeError):
             source = f"{self.fn.__module__}.{self.fn.__qualname__}"
-        return hashlib.sha256(source.encode()).hexdigest()[:12]
+        return hashlib.sha256(f"{self.kind}/{self.impl}\n{source}".encode()).hexdigest()[:12]
 
 
 def stage_registry(kind: str):

@@ -91,6 +91,8 @@ class DataConfig(Strict):
     """Prompts longer than this (in tokens) are an error naming the row."""
     shuffle: bool = True
     """Reshuffle every epoch with the run seed."""
+    apply_chat_template: bool = False
+    """Wrap each prompt as a user message with the tokenizer's chat template (instruct models)."""
 
 
 class OptimizerConfig(Strict):

@@ -1,1 +1,152 @@
-"""(to be written)"""
+"""The ``generate`` stage, impl ``embedded``: n sampled responses per prompt.
+
+Group sampling as in GRPO (Shao et al., 2024, "DeepSeekMath"): every prompt row
+becomes ``n`` trajectory rows sharing its ``uid`` (``sample_index`` 0..n-1),
+each with its response tokens, the rollout engine's sampled-token logprobs and
+the policy version of every token. Runs inside each rollout worker on its shard
+of prompts, through the worker's :class:`~rlpipe.backends.engine.RolloutEngine`.
+
+Randomness: one seed per (run seed, step, dp rank), and the engine's per-request
+streams are keyed by ``uid/sample_index``, so a rerun reproduces every token.
+
+Left out: multi-turn tool use and partial rollouts across steps (the agent loop
+and the async modes submit to the same engine themselves); this stage runs one
+synchronous generation to completion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import ConfigDict, Field
+
+from rlpipe.backends.requests import GenerationRequest, GenerationResult, SamplingParams
+from rlpipe.errors import BatchError
+from rlpipe.jagged import from_flat, offsets_and_values
+from rlpipe.schemas.batch import (
+    DATA_SOURCE,
+    GROUND_TRUTH,
+    PROMPT_IDS,
+    PROMPT_STEP,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    ROLLOUT_LOGPROBS,
+    SAMPLE_INDEX,
+    STATUS,
+    STATUS_ABORTED,
+    STATUS_OK,
+    STATUS_TRUNCATED,
+    TOKEN_VERSIONS,
+    UID,
+    column_type,
+)
+from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+
+_STATUS = {"stop": STATUS_OK, "length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}
+_PASS_THROUGH = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
+
+
+class GenerateParams(StageParams):
+    """Sampling of the rollout: how many responses per prompt and how tokens are drawn."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    n: int = Field(8, ge=1)
+    """Responses sampled per prompt (the GRPO group size)."""
+    temperature: float = Field(1.0, gt=0)
+    """Softmax temperature; the logprobs returned are those of the tempered distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: keep the smallest set of tokens with this much mass (1 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (0 = off)."""
+    max_tokens: int = Field(32, ge=1)
+    """Most response tokens per trajectory; longer ones stop with status `truncated`."""
+
+
+def generation_seed(ctx: StageContext) -> int:
+    """The sampling seed of one execution: a function of run seed, step and dp rank."""
+    digest = hashlib.blake2b(f"generate\x00{ctx.seed}\x00{ctx.step}\x00{ctx.dp_rank}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
+@stage(
+    "generate",
+    "embedded",
+    placement="worker",
+    role="rollout",
+    creates_rows=True,
+    reads=cols(UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP),
+    writes=cols(
+        UID, SAMPLE_INDEX, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK,
+        RESPONSE_TEXT, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, STATUS, PROMPT_STEP,
+    ),
+    params=GenerateParams,
+)
+def generate(worker: Any, batch: pa.Table, params: GenerateParams, ctx: StageContext) -> StageResult:
+    """Sample ``params.n`` responses for every prompt row of ``batch``."""
+    uids = batch.column(UID)
+    if pc.count_distinct(uids).as_py() != batch.num_rows:
+        raise BatchError("generate needs one row per prompt: the batch repeats a uid; give every prompt its own uid")
+    rows = np.repeat(np.arange(batch.num_rows), params.n)
+    sample_index = np.tile(np.arange(params.n, dtype=np.int32), batch.num_rows)
+    requests = _requests(batch, rows, sample_index, params, generation_seed(ctx))
+    start = time.perf_counter()
+    results = worker.engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    table = _table(batch.take(pa.array(rows)), sample_index, results, worker.tokenizer)
+    return StageResult(table=table, metrics=_metrics(results, elapsed))
+
+
+def _requests(
+    batch: pa.Table, rows: np.ndarray, sample_index: np.ndarray, params: GenerateParams, seed: int
+) -> list[GenerationRequest]:
+    offsets, values = offsets_and_values(batch.column(PROMPT_IDS))
+    prompts = [values[offsets[i] : offsets[i + 1]] for i in range(batch.num_rows)]  # views, no copies
+    uids = batch.column(UID).to_pylist()
+    sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
+    return [
+        GenerationRequest(f"{uids[row]}/{j}", prompts[row], max_tokens=params.max_tokens, sampling=sampling)
+        for row, j in zip(rows.tolist(), sample_index.tolist())
+    ]
+
+
+def _table(expanded: pa.Table, sample_index: np.ndarray, results: list[GenerationResult], tokenizer) -> pa.Table:
+    lens = np.array([len(r.response_ids) for r in results], dtype=np.int64)
+    ids = _concat([r.response_ids for r in results], np.int32)
+    columns = {name: expanded.column(name).cast(column_type(name)) for name in _PASS_THROUGH}
+    columns[SAMPLE_INDEX] = pa.array(sample_index, type=column_type(SAMPLE_INDEX))
+    columns[RESPONSE_IDS] = from_flat(ids, lens, pa.int32())
+    columns[RESPONSE_MASK] = from_flat(np.ones(len(ids), np.int8), lens, pa.int8())  # every token is the model's
+    columns[RESPONSE_TEXT] = pa.array(
+        tokenizer.batch_decode([r.response_ids.tolist() for r in results], skip_special_tokens=True),
+        type=column_type(RESPONSE_TEXT),
+    )
+    columns[ROLLOUT_LOGPROBS] = from_flat(_concat([r.logprobs for r in results], np.float32), lens, pa.float32())
+    columns[TOKEN_VERSIONS] = from_flat(_concat([r.versions for r in results], np.int32), lens, pa.int32())
+    columns[STATUS] = pa.array([_STATUS[r.finish_reason] for r in results], type=column_type(STATUS))
+    order = (UID, SAMPLE_INDEX, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK,
+             RESPONSE_TEXT, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, STATUS, PROMPT_STEP)
+    return pa.table({name: columns[name] for name in order})
+
+
+def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+
+def _metrics(results: list[GenerationResult], elapsed: float) -> dict[str, float]:
+    if not results:
+        return {}
+    lens = np.array([len(r.response_ids) for r in results], dtype=np.float64)
+    truncated = np.mean([r.finish_reason == "length" for r in results])
+    return {
+        "generate/response_length_mean": float(lens.mean()),
+        "generate/response_length_max": float(lens.max()),
+        "generate/truncated_fraction": float(truncated),
+        "generate/tokens_per_s": float(lens.sum() / max(elapsed, 1e-9)),
+    }

@@ -1,1 +1,99 @@
-"""(to be written)"""
+"""The actor update: PPO-style policy-gradient steps over mini- and micro-batches.
+
+One global batch (this rank's rows) is split into ``prompts_per_step /
+ppo_mini_batch_size`` mini-batches — one optimizer step (local update) each,
+``ppo_epochs`` times. Every local update uses the same ``old_logprobs`` column
+(π_old, computed once before the first update). Before each mini-batch's
+backward passes the ranks agree on the global token and sequence counts; every
+micro-batch's loss is normalized by them and gradients are summed across ranks,
+so the update equals the full-batch gradient (the seed's "grad_norm 1e4" bug is
+a wrong denominator). The loss itself (policy loss, aggregation, KL, entropy)
+is ``rlpipe.stages.algos.policy_loss.actor_loss``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rlpipe.jagged import to_padded
+from rlpipe.schemas.batch import (
+    ADVANTAGES, IS_WEIGHTS, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, RESPONSE_MASK,
+)
+from rlpipe.stage import StageResult, cols, stage
+from rlpipe.stages.algos.policy_loss import SUMMED_METRICS, ActorLossConfig, LossDenominators, actor_loss
+from rlpipe.stages.logprobs import micro_batches, model_logprobs
+
+
+class PPOUpdateParams(ActorLossConfig):
+    """Loss settings of the update (batch sizes live in `trainer:`)."""
+
+    use_is_weights: bool = False
+    """Multiply the policy loss by the rollout-correction `is_weights` column (needs a rollout_correction stage)."""
+
+
+def _reads(params: PPOUpdateParams) -> dict:
+    names = [PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, OLD_LOGPROBS, ADVANTAGES]
+    if params.use_kl_loss:
+        names.append(REF_LOGPROBS)
+    if params.use_is_weights:
+        names.append(IS_WEIGHTS)
+    return cols(*names)
+
+
+def _padded(batch: pa.Table, name: str | None, width: int) -> torch.Tensor | None:
+    if name is None or name not in batch.column_names:
+        return None
+    return to_padded(batch.column(name), 0, torch.float32, width)
+
+
+@stage("update", "ppo", placement="worker", role="actor", params=PPOUpdateParams, reads=_reads, writes={})
+def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageResult:
+    trainer = state.config.trainer
+    prompts = state.config.data.prompts_per_step
+    num_minis = prompts // (trainer.ppo_mini_batch_size or prompts)
+    temperature = ctx.extras.get("temperature", 1.0)
+    history: dict[str, list[float]] = {}
+    for _ in range(trainer.ppo_epochs):
+        for mini_rows in np.array_split(np.arange(batch.num_rows), num_minis):
+            mini = batch.take(pa.array(mini_rows))
+            stats = _local_update(state, mini, params, temperature, trainer.micro_batch_size)
+            for key, value in stats.items():
+                history.setdefault(key, []).append(value)
+    metrics = {f"actor/{k}" if "/" not in k else k: float(np.mean(v)) for k, v in history.items()}
+    metrics = state.all_reduce_mean_metrics(metrics)
+    for key in SUMMED_METRICS & metrics.keys():  # each rank holds its share of the global loss
+        metrics[key] *= state.world_size
+    metrics["actor/local_updates"] = float(state.local_updates)
+    return StageResult(metrics=metrics)
+
+
+def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: float, micro_size: int) -> dict:
+    """Forward/backward every micro-batch of ``mini`` under global denominators, then one optimizer step."""
+    masks = to_padded(mini.column(RESPONSE_MASK), 0, torch.float32)
+    local = torch.tensor([masks.sum().item(), (masks.sum(1) > 0).sum().item()], dtype=torch.float64)
+    global_tokens, global_seqs = state.all_reduce_sum(local).tolist()
+    denominators = LossDenominators(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=state.world_size)
+    sums: dict[str, float] = {}
+    for rows in micro_batches(mini.num_rows, micro_size):
+        micro = mini.take(pa.array(rows))
+        logp, entropy, seq = model_logprobs(
+            state.model, micro, state.pad_token_id, temperature, with_entropy=params.entropy_coeff != 0
+        )
+        width = seq.response_width
+        mask = _padded(micro, RESPONSE_MASK, width) * seq.response_padding
+        loss, metrics = actor_loss(
+            params, log_prob=logp, old_log_prob=_padded(micro, OLD_LOGPROBS, width),
+            advantages=_padded(micro, ADVANTAGES, width), response_mask=mask, denominators=denominators,
+            ref_log_prob=_padded(micro, REF_LOGPROBS if params.use_kl_loss else None, width),
+            entropy=entropy, rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width),
+        )
+        loss.backward()
+        share = len(rows) / mini.num_rows
+        for key, value in metrics.items():
+            # loss terms are this micro-batch's share of the mini-batch loss: sum them; the rest are means
+            weight = 1.0 if key in SUMMED_METRICS else share
+            sums[key] = sums.get(key, 0.0) + weight * float(value)
+    sums.update(state.optimizer_step())
+    return sums

@@ -1,1 +1,104 @@
-"""(to be written)"""
+"""Worker roles: the long-lived state that stateful stages run against.
+
+A role (``actor``, ``rollout``, ``ref``, ``critic`` ...) is registered in the
+``worker_role`` registry with a builder and whether it is data-parallel
+(*sharded*: each worker gets the rows whose ``dp_rank`` is its rank) or
+replicated (rows split evenly across replicas). The Ray actor that hosts a
+role is generic (:mod:`rlpipe.engine.ray_runtime`); this module is Ray-free so
+the same states run inline in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rlpipe.backends.engine import RolloutEngine
+from rlpipe.backends.model import build_model
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weights import load_buckets
+from rlpipe.engine.train_state import TrainState
+from rlpipe.registry import registry
+from rlpipe.schemas.config import PipelineConfig
+
+WORKER_ROLES = registry("worker_role")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How to build one worker of a role."""
+
+    build: Callable[[PipelineConfig, int, int, str | None], Any]
+    """(config, rank, world_size, dist_address) → state object."""
+    sharded: bool
+    """True: data-parallel ranks (rows routed by dp_rank); False: replicas (rows split evenly)."""
+    size: Callable[[PipelineConfig], int]
+    """Number of workers of this role for a config."""
+
+
+class RolloutState:
+    """A rollout replica: the embedded inference engine and the policy tokenizer."""
+
+    def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
+        torch.set_num_threads(config.trainer.torch_threads)
+        self.rank = rank
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        model = build_model(config.model, self.tokenizer, config.seed)
+        self.engine = RolloutEngine(model, self.tokenizer)
+
+    def load_weights(self, buckets, version: int) -> int:
+        self.engine.load_weights(buckets, version)
+        return version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def abort_all(self):
+        return self.engine.abort_all()
+
+    def get_version(self) -> int:
+        return self.engine.version
+
+
+class ReferenceState:
+    """The frozen reference policy (forward only)."""
+
+    def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
+        torch.set_num_threads(config.trainer.torch_threads)
+        self.rank = rank
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        self.pad_token_id = self.tokenizer.pad_token_id or 0
+        self.model = build_model(config.model, self.tokenizer, config.seed)
+        self.model.eval()
+        self.config = config
+
+    def load_weights(self, buckets, version: int = 0) -> int:
+        load_buckets(self.model, buckets)
+        return version
+
+
+WORKER_ROLES.add(
+    "actor",
+    RoleSpec(lambda c, r, w, a: TrainState(c, r, w, a), sharded=True, size=lambda c: c.trainer.dp_size),
+)
+WORKER_ROLES.add(
+    "rollout",
+    RoleSpec(RolloutState, sharded=False, size=lambda c: c.resources.rollout_replicas),
+)
+WORKER_ROLES.add("ref", RoleSpec(ReferenceState, sharded=False, size=lambda c: 1))
+
+
+def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_address: str | None) -> TrainState:
+    """A trainer whose model is the policy backbone with a value head (initialized from the policy)."""
+    from rlpipe.stages.critic import CriticModel
+
+    return TrainState(config, rank, world_size, dist_address,
+                      model_factory=lambda tok: CriticModel(build_model(config.model, tok, config.seed)))
+
+
+WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size))

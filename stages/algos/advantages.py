@@ -1,1 +1,209 @@
-"""(to be written)"""
+"""Advantage estimators, registered by verl's names (registry kind ``advantage_estimator``).
+
+Each :class:`Estimator` maps padded ``[B, R]`` token rewards and response mask,
+dense group ids ``[B]`` (rows sharing a uid), its params and, where needed,
+critic ``values`` or ReMax ``reward_baselines`` to ``(advantages, returns)``.
+Outcome estimators score a row by the sum of its token rewards. Values equal
+verl's ``core_algos`` (group statistics with ``torch.std``'s unbiased std; a
+singleton group has mean 0 and std 1), computed with scatter ops over group ids.
+
+* ``gae``: Schulman et al. 2016, https://arxiv.org/abs/1506.02438 (whitened advantages).
+* ``grpo`` / ``dr_grpo``: Shao et al. 2024, https://arxiv.org/abs/2402.03300; without the
+  std division = Dr. GRPO, Liu et al. 2025, https://arxiv.org/abs/2503.20783.
+* ``grpo_passk``: only the best row of a group gets ``r_max - r_2nd`` (https://arxiv.org/abs/2503.19595).
+* ``rloo``: leave-one-out baseline, Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740.
+* ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline``: Hu 2025, https://arxiv.org/abs/2501.03262.
+* ``remax``: greedy-rollout baseline, Li et al. 2023, https://arxiv.org/abs/2310.10505.
+* ``opo``: length-weighted group baseline, https://arxiv.org/abs/2505.23585.
+* ``gpg``: group baseline scaled by batch/non-zero-score rows, https://arxiv.org/abs/2504.02546.
+
+Left out: verl's gdpo, optimal_token_baseline variants and the ``*_vectorized``
+aliases (every estimator here is vectorized). GAE and discounted REINFORCE++ are a
+reverse scan over positions, vectorized over rows (REINFORCE++ with γ = 1 is a cumulative sum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from pydantic import Field
+
+from rlpipe.errors import RlpipeError
+from rlpipe.registry import registry
+from rlpipe.stage import StageParams
+from rlpipe.stages.algos.ops import group_count, group_mean_std, group_sum, masked_whiten, sequence_scores
+
+ESTIMATORS = registry("advantage_estimator")
+BUILTIN_ESTIMATORS: dict[str, "Estimator"] = {}
+
+
+class EstimatorParams(StageParams):
+    """Params of an estimator without settings."""
+
+
+class GroupNormParams(EstimatorParams):
+    """Group-normalized outcome advantages (verl ``algorithm.norm_adv_by_std_in_grpo``)."""
+
+    epsilon: float = Field(1e-6, gt=0)
+    """Added to the group std before dividing."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group std (GRPO); False = Dr. GRPO."""
+
+
+class DrGRPOParams(GroupNormParams):
+    """GRPO without the std division (Dr. GRPO)."""
+
+    norm_adv_by_std_in_grpo: bool = False
+    """Divide by the group std; False (the default here) is Dr. GRPO."""
+
+
+class DiscountParams(EstimatorParams):
+    """Discounted returns (verl ``algorithm.gamma``)."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor."""
+
+
+class GAEParams(DiscountParams):
+    """GAE (verl ``algorithm.gamma`` / ``algorithm.lam``)."""
+
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE λ (bias/variance trade-off)."""
+
+
+class GPGParams(EstimatorParams):
+    """GPG's normalization (verl's function default)."""
+
+    f_norm: float = Field(1.0, gt=0)
+    """Divisor of the scaled group-centered score."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: the function, its params model, the extra inputs it needs."""
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    params: type[EstimatorParams] = EstimatorParams
+    needs: tuple[str, ...] = ()
+    """Extra inputs beyond rewards/mask/group: ``values`` (critic) or ``reward_baselines`` (ReMax)."""
+
+    def __call__(self, token_rewards, response_mask, group, params=None, **extra):
+        return self.fn(token_rewards, response_mask, group, params or self.params(), **extra)
+
+
+def estimator(name: str, params: type[EstimatorParams] = EstimatorParams, needs: tuple[str, ...] = ()):
+    def decorate(fn):
+        est = Estimator(fn, params, needs)
+        ESTIMATORS.add(name, est)
+        BUILTIN_ESTIMATORS[name] = est
+        return fn
+
+    return decorate
+
+
+def _outcome(scalars: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = scalars.unsqueeze(-1) * mask
+    return adv, adv
+
+
+def reverse_scan(x: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
+    """``y_t = x_t + decay·y_{t+1}`` over valid positions; masked positions carry ``y`` through unchanged."""
+    if decay == 1.0:
+        return (x * mask).flip(-1).cumsum(-1).flip(-1)
+    out, running = torch.zeros_like(x), torch.zeros_like(x[:, 0])
+    for t in reversed(range(x.shape[1])):
+        m = mask[:, t]
+        running = (x[:, t] + decay * running) * m + running * (1 - m)
+        out[:, t] = running
+    return out
+
+
+@estimator("gae", GAEParams, needs=("values",))
+def gae(token_rewards, mask, group, p: GAEParams, values):
+    adv = torch.zeros_like(values)
+    last, next_value = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):  # masked positions (tool tokens) carry both through
+        m = mask[:, t]
+        delta = token_rewards[:, t] + p.gamma * next_value - values[:, t]
+        last = (delta + p.gamma * p.lam * last) * m + last * (1 - m)
+        next_value = values[:, t] * m + next_value * (1 - m)
+        adv[:, t] = last
+    return masked_whiten(adv, mask), adv + values
+
+
+@estimator("dr_grpo", DrGRPOParams)
+@estimator("grpo", GroupNormParams)
+def grpo(token_rewards, mask, group, p: GroupNormParams):
+    scores = sequence_scores(token_rewards)
+    mean, std, _ = group_mean_std(scores, group)
+    centered = scores - mean
+    return _outcome(centered / (std + p.epsilon) if p.norm_adv_by_std_in_grpo else centered, mask)
+
+
+@estimator("grpo_passk", GroupNormParams)
+def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
+    scores = sequence_scores(token_rewards)
+    counts = group_count(group)
+    if bool((counts < 2).any()):
+        raise RlpipeError(
+            f"grpo_passk needs at least 2 samples per group, got a group of {int(counts.min())}; raise n"
+        )
+    by_score = torch.argsort(-scores, stable=True)
+    order = by_score[torch.argsort(group[by_score], stable=True)]  # grouped, best first
+    starts = torch.cumsum(counts, 0) - counts
+    best, second = order[starts], order[starts + 1]
+    gap = scores[best] - scores[second]
+    if p.norm_adv_by_std_in_grpo:
+        _, std, _ = group_mean_std(scores, group)
+        gap = gap / (std[best] + p.epsilon)
+    scalars = torch.zeros_like(scores).index_put_((best,), gap)
+    return _outcome(scalars, mask)
+
+
+@estimator("rloo")
+def rloo(token_rewards, mask, group, p):
+    scores = sequence_scores(token_rewards)
+    mean, _, n = group_mean_std(scores, group)
+    loo = (scores - mean) * n / (n - 1).clamp(min=1)
+    return _outcome(torch.where(n > 1, loo, scores), mask)
+
+
+@estimator("opo")
+def opo(token_rewards, mask, group, p):
+    scores = sequence_scores(token_rewards)
+    lengths = mask.sum(dim=-1).to(scores.dtype)
+    baseline = group_sum(lengths * scores, group) / group_sum(lengths, group)
+    n = group_count(group)
+    baseline = torch.where(n > 1, baseline, torch.zeros_like(baseline))
+    return _outcome(scores - baseline[group], mask)
+
+
+@estimator("reinforce_plus_plus", DiscountParams)
+def reinforce_plus_plus(token_rewards, mask, group, p: DiscountParams):
+    returns = reverse_scan(token_rewards, mask, p.gamma) * mask
+    return masked_whiten(returns, mask) * mask, returns
+
+
+@estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(token_rewards, mask, group, p):
+    scores = sequence_scores(token_rewards)
+    mean, _, _ = group_mean_std(scores, group)
+    adv = (scores - mean).unsqueeze(-1) * mask
+    adv = masked_whiten(adv, mask) * mask
+    return adv, adv
+
+
+@estimator("remax", needs=("reward_baselines",))
+def remax(token_rewards, mask, group, p, reward_baselines):
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    return returns - reward_baselines.unsqueeze(-1) * mask, returns
+
+
+@estimator("gpg", GPGParams)
+def gpg(token_rewards, mask, group, p: GPGParams):
+    scores = sequence_scores(token_rewards)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
+    mean, _, _ = group_mean_std(scores, group)
+    return _outcome(alpha * (scores - mean) / p.f_norm, mask)

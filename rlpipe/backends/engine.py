@@ -1,0 +1,298 @@
+"""The embedded rollout engine: sampling from a Hugging Face causal LM on CPU.
+
+Our own decode loop with a KV cache: a cohort of requests is prefilled together
+(left-padded, attention mask, position ids), then decoded one forward per step
+for the whole cohort. Requests submitted while others run form a new cohort at
+the next ``step()``; finished rows leave their cohort (the cache is compacted),
+so the API is the one continuous batching needs: ``submit`` / ``step`` /
+``abort_all`` / ``has_active``.
+
+Randomness is counter-based: the uniform that picks response token ``j`` of a
+request is a hash of (seed, request id, j), and a token is drawn by inverse CDF.
+A trajectory therefore depends only on its seed, id and the weights, not on
+which other requests shared its batch (up to float rounding of the batched
+forward), and a resume without a weight change redraws the same tokens. The returned logprob is the one of the *sampling*
+distribution (after temperature, top-k, top-p).
+
+Versions (SPEC R6): the engine holds the policy ``version`` of its weights and
+stamps every token it samples with it. A push (``load_weights``) is refused
+while requests are in flight; callers ``abort_all()`` first and resubmit the
+partial trajectories, which are re-prefilled under the new weights (the old KV
+cache is invalid), so their versions switch exactly at the push.
+
+Left out: greedy decoding (temperature must be > 0), stop strings, prefix-cache
+reuse across requests, speculative decoding, and trimming of left padding that
+finished rows leave behind in a cohort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from rlpipe.backends import sampling
+from rlpipe.backends.requests import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    make_result,
+)
+from rlpipe.backends.weights import WeightBucket, load_buckets
+
+if TYPE_CHECKING:  # transformers costs seconds to import; stage modules import this one at plan time
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["EngineError", "GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams"]
+
+
+@dataclass
+class _Cohort:
+    """Requests prefilled together, sharing one KV cache; row i of every tensor is requests[i]."""
+
+    requests: list[GenerationRequest]
+    cache: Any  # transformers.DynamicCache
+    attention_mask: torch.Tensor  # [B, L] over prompt + response so far
+    next_position: torch.Tensor  # [B] position id of the next input token
+    prefix_len: torch.Tensor  # [B] partial-response tokens carried in by a resume
+    budget: torch.Tensor  # [B] tokens this cohort may still add per row
+    keys: torch.Tensor  # [B] per-request random stream keys
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per step: [B] sampled ids
+    logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [B]
+
+
+class RolloutEngine:
+    """Embedded CPU inference engine holding one model, its tokenizer and its policy version.
+
+    The engine owns ``model`` (it switches it to eval mode and overwrites its
+    parameters on every push); give a trainer its own copy.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.version = version
+        self.max_positions = int(model.config.max_position_embeddings)
+        self.pad_id = tokenizer.pad_token_id
+        self.stop_ids = torch.tensor([tokenizer.eos_token_id])
+        self._pending: list[GenerationRequest] = []
+        self._cohorts: list[_Cohort] = []
+        self._done: list[GenerationResult] = []
+        self._asleep = False
+        self._discarded: dict[str, torch.Size] | None = None  # shapes of weights freed by sleep
+
+    # -- requests -------------------------------------------------------------------
+
+    def submit(self, requests: Iterable[GenerationRequest]) -> None:
+        """Queue requests; they are prefilled by the next ``step()``."""
+        self._check_ready()
+        requests = list(requests)
+        known = {r.request_id for r in self._pending} | {r.request_id for c in self._cohorts for r in c.requests}
+        for request in requests:
+            self._validate(request)
+            if request.request_id in known:
+                raise EngineError(f"request id {request.request_id!r} is already in flight; ids must be unique")
+            known.add(request.request_id)
+        for request in requests:
+            if len(request.response_ids) >= request.max_tokens:
+                self._done.append(make_result(request, (), (), self.version, "length"))
+            elif len(request.response_ids) and int(request.response_ids[-1]) in self.stop_ids.tolist():
+                self._done.append(make_result(request, (), (), self.version, "stop"))
+            else:
+                self._pending.append(request)
+
+    def num_running(self) -> int:
+        """Requests queued or decoding (finished ones waiting for collection not counted)."""
+        return len(self._pending) + sum(len(c.requests) for c in self._cohorts)
+
+    def has_active(self) -> bool:
+        """True while some request is queued, decoding, or finished but not yet collected."""
+        return bool(self._pending or self._cohorts or self._done)
+
+    @torch.no_grad()
+    def step(self) -> list[GenerationResult]:
+        """Prefill queued requests, decode one token for every running one; returns those that finished."""
+        self._check_ready()
+        for cohort in self._cohorts:
+            self._advance(cohort, self._decode_logits(cohort))
+        if self._pending:
+            cohort, logits = self._prefill(self._pending)
+            self._pending = []
+            self._cohorts.append(cohort)
+            self._advance(cohort, logits)
+        self._cohorts = [c for c in self._cohorts if c.requests]
+        done, self._done = self._done, []
+        return done
+
+    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
+        """Submit ``requests`` and step until all of them finished; results in request order."""
+        requests = list(requests)
+        self.submit(requests)
+        wanted = {r.request_id for r in requests}
+        found: dict[str, GenerationResult] = {}
+        others: list[GenerationResult] = []
+        while len(found) < len(wanted):
+            for result in self.step():
+                if result.request_id in wanted:
+                    found[result.request_id] = result
+                else:
+                    others.append(result)
+        self._done.extend(others)  # results of other callers wait for their next step()
+        return [found[r.request_id] for r in requests]
+
+    def abort_all(self) -> list[GenerationResult]:
+        """Stop every request; each returns its partial tokens with finish_reason "abort"."""
+        aborted = [make_result(r, (), (), self.version, "abort") for r in self._pending]
+        for cohort in self._cohorts:
+            tokens, logprobs = _stacked(cohort)
+            for row, request in enumerate(cohort.requests):
+                aborted.append(make_result(request, tokens[row], logprobs[row], self.version, "abort"))
+        done, self._done, self._pending, self._cohorts = self._done, [], [], []
+        return done + aborted
+
+    # -- weights and memory ---------------------------------------------------------
+
+    def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
+        """Load pushed weights (checked before any is written) and adopt their policy ``version``."""
+        if self.num_running():
+            raise EngineError(
+                f"{self.num_running()} request(s) in flight: abort or finish in-flight requests before a weight push"
+            )
+        if version < self.version:
+            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        self._reallocate()
+        load_buckets(self.model, buckets)
+        self._discarded = None
+        self.version = version  # no KV cache survives: cohorts are empty, each builds its own
+
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Release memory between rollouts.
+
+        On CPU there is no separate device memory: sleeping drops the KV caches
+        (none exist between rollouts) and marks the engine asleep. With
+        ``discard_weights`` the parameter storage is freed too (what a colocated
+        trainer wants); the next ``load_weights`` reallocates and fills it.
+        """
+        if self.num_running():
+            raise EngineError("abort or finish in-flight requests before sleep()")
+        if discard_weights and self._discarded is None:
+            self._discarded = {}
+            for name, param in self.model.named_parameters():
+                self._discarded[name] = param.shape
+                param.data = torch.empty(0, dtype=param.dtype)
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Undo ``sleep()``; discarded weights stay unusable until ``load_weights``."""
+        self._asleep = False
+
+    asleep = property(lambda self: self._asleep, doc="True between sleep() and wake().")
+
+    def _reallocate(self) -> None:
+        if self._discarded is None:
+            return
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._discarded[name], dtype=param.dtype)
+
+    def _check_ready(self) -> None:
+        if self._asleep:
+            raise EngineError("the rollout engine is asleep; call wake() before generating")
+        if self._discarded is not None:
+            raise EngineError("the engine's weights were discarded by sleep(); push weights (load_weights) first")
+
+    def _validate(self, r: GenerationRequest) -> None:
+        s = r.sampling
+        problems = []
+        if not len(r.prompt_ids):
+            problems.append("the prompt is empty")
+        if r.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {r.max_tokens}")
+        if len(r.prompt_ids) + r.max_tokens > self.max_positions:
+            problems.append(
+                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.max_tokens}) exceeds the model's "
+                f"max_position_embeddings ({self.max_positions}); shorten the prompt or lower max_tokens"
+            )
+        if not (s.temperature > 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
+            problems.append(f"need temperature > 0, 0 < top_p <= 1, top_k >= 0; got {s}")
+        if not len(r.response_ids) == len(r.logprobs) == len(r.versions):
+            problems.append("a resumed request needs as many logprobs and versions as response_ids")
+        if problems:
+            raise EngineError(f"request {r.request_id!r}: " + "; ".join(problems))
+
+    # -- the decode loop ------------------------------------------------------------
+
+    def _prefill(self, requests: list[GenerationRequest]) -> tuple[_Cohort, torch.Tensor]:
+        seqs = [np.concatenate([r.prompt_ids, r.response_ids]).astype(np.int64) for r in requests]
+        lens = torch.tensor([len(s) for s in seqs])
+        width = int(lens.max())
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        attention_mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
+        input_ids[attention_mask.bool()] = torch.from_numpy(np.concatenate(seqs))
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+        from transformers import DynamicCache  # lazy: see the TYPE_CHECKING import above
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+        prefix = torch.tensor([len(r.response_ids) for r in requests])
+        cohort = _Cohort(
+            requests=list(requests), cache=cache, attention_mask=attention_mask, next_position=lens,
+            prefix_len=prefix, budget=torch.tensor([r.max_tokens for r in requests]) - prefix,
+            keys=torch.tensor([sampling.stream_key(r.sampling.seed, r.request_id) for r in requests]),
+            temperature=torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32),
+            top_k=torch.tensor([r.sampling.top_k for r in requests]),
+            top_p=torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32),
+        )
+        return cohort, logits
+
+    def _decode_logits(self, c: _Cohort) -> torch.Tensor:
+        c.attention_mask = torch.cat([c.attention_mask, torch.ones_like(c.attention_mask[:, :1])], dim=1)
+        out = self.model(
+            input_ids=c.tokens[-1][:, None], attention_mask=c.attention_mask,
+            position_ids=c.next_position[:, None], cache=c.cache, use_cache=True, logits_to_keep=1,
+        )
+        c.next_position = c.next_position + 1
+        return out.logits[:, -1]
+
+    def _advance(self, c: _Cohort, logits: torch.Tensor) -> None:
+        """Sample one token per row, then retire rows that hit eos or their budget."""
+        u = sampling.uniforms(c.keys, c.prefix_len + len(c.tokens))
+        token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, u)
+        c.tokens.append(token)
+        c.logprobs.append(logprob)
+        stop = torch.isin(token, self.stop_ids)
+        done = stop | (c.budget <= len(c.tokens))
+        if not done.any():
+            return
+        tokens, logprobs = _stacked(c)
+        for row in done.nonzero().flatten().tolist():  # once per finished row, not per token
+            reason: FinishReason = "stop" if stop[row] else "length"
+            self._done.append(make_result(c.requests[row], tokens[row], logprobs[row], self.version, reason))
+        _retain(c, (~done).nonzero().flatten())
+
+
+def _stacked(c: _Cohort) -> tuple[np.ndarray, np.ndarray]:
+    if not c.tokens:
+        return np.zeros((len(c.requests), 0), np.int32), np.zeros((len(c.requests), 0), np.float32)
+    return torch.stack(c.tokens, 1).numpy(), torch.stack(c.logprobs, 1).numpy()
+
+
+def _retain(c: _Cohort, keep: torch.Tensor) -> None:
+    """Drop finished rows from every per-row tensor and from the KV cache."""
+    c.requests = [c.requests[i] for i in keep.tolist()]
+    if not c.requests:
+        return
+    c.cache.batch_select_indices(keep)
+    for name in ("attention_mask", "next_position", "prefix_len", "budget", "keys", "temperature", "top_k", "top_p"):
+        setattr(c, name, getattr(c, name)[keep])
+    c.tokens = [t[keep] for t in c.tokens]
+    c.logprobs = [lp[keep] for lp in c.logprobs]
+

@@ -1,0 +1,175 @@
+"""The weight transport format: a model's tensors flattened into byte buckets.
+
+Implements boundaries 1-3 of a weight push (SPEC R6) for the embedded backends:
+
+1. export: training names → inference names through a ``name_map`` hook
+   (identity for the embedded engine: both sides are the same HF model);
+2. transport format: every parameter's bytes packed into contiguous ``uint8``
+   numpy buckets of about ``bucket_bytes`` each, with per-tensor metadata
+   (name, shape, dtype, offset, nbytes) and a blake2b checksum per bucket.
+   Numpy (not torch) so a bucket crosses Ray's object store zero-copy;
+3. load: checksums, names, shapes and dtypes are all checked *before* the first
+   parameter is written, so a bad push leaves the engine's weights untouched.
+
+Left out here: double buffering, delta sync and fused-QKV splitting (they belong
+to the transports / exporters built on top of this format), and buffers such as
+rotary frequencies (non-persistent, derived from the model config).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from rlpipe.errors import RlpipeError
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+_ALIGN = 64  # every tensor starts at a multiple of this, so byte views can be re-typed in place
+
+NameMap = Callable[[str], str]
+
+
+class WeightTransportError(RlpipeError):
+    """A weight bucket does not match the model it is loaded into, or was corrupted in transit."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives inside a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """Contiguous bytes of several tensors, their metadata and a checksum of the bytes."""
+
+    data: np.ndarray  # uint8, 1-D
+    tensors: tuple[TensorMeta, ...]
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+def checksum(data: np.ndarray) -> str:
+    """blake2b digest (hex) of a bucket's bytes."""
+    return hashlib.blake2b(memoryview(np.ascontiguousarray(data)), digest_size=16).hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def export_buckets(
+    model: torch.nn.Module,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    name_map: NameMap | None = None,
+) -> list[WeightBucket]:
+    """Pack ``model``'s parameters (tied ones once) into buckets of about ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own; tensors are
+    never split. ``name_map`` renames training names to the engine's names.
+    """
+    if bucket_bytes < 1:
+        raise WeightTransportError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    named = [((name_map or str)(name), p.detach()) for name, p in model.named_parameters()]
+    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, tensor in named:
+        need = _aligned(tensor.numel() * tensor.element_size())
+        if groups[-1] and size + need > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += need
+    return [_pack(group) for group in groups if group]
+
+
+def _pack(named: Sequence[tuple[str, torch.Tensor]]) -> WeightBucket:
+    metas, offset = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metas.append(TensorMeta(name, tuple(tensor.shape), _dtype_name(tensor.dtype), offset, nbytes))
+        offset += _aligned(nbytes)
+    data = np.zeros(offset, dtype=np.uint8)
+    flat = torch.from_numpy(data)
+    for meta, (_, tensor) in zip(metas, named):
+        # Reinterpreting as bytes works for every dtype, bfloat16 included (numpy has none).
+        flat[meta.offset : meta.offset + meta.nbytes] = tensor.cpu().contiguous().reshape(-1).view(torch.uint8)
+    return WeightBucket(data, tuple(metas), checksum(data))
+
+
+def _byte_view(data: np.ndarray) -> torch.Tensor:
+    # Buckets arriving through Ray's object store are read-only; we only read them,
+    # so torch's warning about non-writable arrays does not apply.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data, dtype=np.uint8).reshape(-1))
+
+
+def _check(bucket: WeightBucket, params: dict[str, torch.nn.Parameter]) -> None:
+    if checksum(bucket.data) != bucket.checksum:
+        names = ", ".join(m.name for m in bucket.tensors[:3])
+        raise WeightTransportError(
+            f"weight bucket checksum mismatch (bucket holding {names}...): the bytes changed in "
+            "transit; push the weights again"
+        )
+    for meta in bucket.tensors:
+        param = params.get(meta.name)
+        if param is None:
+            raise WeightTransportError(
+                f"weight {meta.name!r} is not a parameter of the engine's model; the trainer and the "
+                "rollout engine must build the same architecture (or pass a name_map on export)"
+            )
+        if tuple(param.shape) != meta.shape or _dtype_name(param.dtype) != meta.dtype:
+            raise WeightTransportError(
+                f"weight {meta.name!r}: pushed {meta.dtype}{list(meta.shape)} but the engine holds "
+                f"{_dtype_name(param.dtype)}{list(param.shape)}; build both sides from the same model config"
+            )
+        if meta.offset + meta.nbytes > bucket.nbytes:
+            raise WeightTransportError(f"weight {meta.name!r} extends past the end of its bucket; it is truncated")
+
+
+@torch.no_grad()
+def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict: bool = True) -> list[str]:
+    """Copy bucketed tensors into ``model``'s parameters in place; returns the names loaded.
+
+    Everything is verified first (checksums, names, shapes, dtypes and, when
+    ``strict``, that every parameter is covered), then copied, so an error
+    leaves the model as it was.
+    """
+    buckets = list(buckets)
+    params = dict(model.named_parameters())
+    for bucket in buckets:
+        _check(bucket, params)
+    loaded = [meta.name for bucket in buckets for meta in bucket.tensors]
+    if len(set(loaded)) != len(loaded):
+        raise WeightTransportError("a weight push holds some tensor twice; export each parameter once")
+    missing = sorted(set(params) - set(loaded))
+    if strict and missing:
+        raise WeightTransportError(
+            f"a full weight push misses {len(missing)} parameter(s), e.g. {missing[:3]}; "
+            "export every parameter (or load with strict=False for a partial push)"
+        )
+    for bucket in buckets:
+        flat = _byte_view(bucket.data)
+        for meta in bucket.tensors:
+            param = params[meta.name]
+            src = flat[meta.offset : meta.offset + meta.nbytes].view(param.dtype).view(meta.shape)
+            param.copy_(src)
+    return loaded

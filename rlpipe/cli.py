@@ -1,0 +1,112 @@
+"""``rlpipe`` command line: run, validate, stages."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from rlpipe.errors import RlpipeError
+
+console = Console(stderr=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlpipe", description="RL post-training as a declarative DAG of stages.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (("run", "run a pipeline"), ("validate", "check a pipeline without starting anything")):
+        cmd = sub.add_parser(name, help=helptext)
+        cmd.add_argument("pipeline", help="path of the pipeline YAML")
+        cmd.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config value, e.g. -o trainer.total_steps=5 -o stages.update.params.clip_ratio=0.1")
+    sub.add_parser("stages", help="list every kind, its registered implementations and their params")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
+    try:
+        if args.command == "validate":
+            return _validate(args.pipeline, args.override)
+        if args.command == "run":
+            return _run(args.pipeline, args.override)
+        return _stages()
+    except RlpipeError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        return 2
+
+
+def _validate(path: str, overrides: list[str]) -> int:
+    from rlpipe.engine.config_io import load_pipeline
+    from rlpipe.engine.plan import build_plan
+
+    config, _ = load_pipeline(path, overrides)
+    plan = build_plan(config)
+    table = Table(title=f"{path}: valid ({plan.mode_name} mode)")
+    for column in ("node", "kind/impl", "runs on", "reads", "writes"):
+        table.add_column(column)
+    for node in plan.nodes:
+        where = node.spec.role if node.spec.placement == "worker" else node.spec.placement
+        table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(sorted(node.reads)),
+                      ", ".join(sorted(node.writes)))
+    Console().print(table)
+    return 0
+
+
+def _run(path: str, overrides: list[str]) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlpipe.engine.config_io import load_pipeline
+    from rlpipe.engine.runtime import run_pipeline
+
+    config, text = load_pipeline(path, overrides)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(config.name, total=config.trainer.total_steps, status="starting Ray")
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            reward = metrics.get("reward/mean", float("nan"))
+            progress.update(task, completed=step + 1, status=f"reward/mean {reward:.3f}")
+
+        result = run_pipeline(config, text, on_step=on_step)
+    out = Console()
+    out.print(f"[bold green]done[/]: {result.steps} steps, final reward/mean "
+              f"{result.final_metrics.get('reward/mean', float('nan')):.3f}")
+    out.print(f"model: {result.output_dir}/final")
+    if config.tracking.enabled:
+        uri = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+        out.print(f"MLflow run id: [bold]{result.run_id}[/]  (experiment {config.tracking.experiment!r})")
+        out.print(f"open it with:  mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
+def _stages() -> int:
+    from rlpipe.registry import kinds, registry
+    from rlpipe.stage import STEP_KINDS
+
+    out = Console()
+    for kind in STEP_KINDS:
+        table = Table(title=f"stage kind: {kind}", show_lines=False)
+        for column in ("impl", "runs on", "params (default)"):
+            table.add_column(column)
+        for impl, spec in registry(f"stage.{kind}").items():
+            where = spec.role if spec.placement == "worker" else spec.placement
+            params = ", ".join(f"{n}={_default(f)}" for n, f in spec.params_model.model_fields.items())
+            table.add_row(impl, where, params or "-")
+        out.print(table)
+    for kind in kinds():
+        if not kind.startswith("stage."):
+            out.print(f"[bold]{kind}[/]: {', '.join(registry(kind).names())}")
+    return 0
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.get_default(call_default_factory=True)
+    return repr(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

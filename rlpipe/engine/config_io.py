@@ -1,0 +1,133 @@
+"""Reading a pipeline YAML into a validated :class:`PipelineConfig`.
+
+Turns YAML and pydantic errors into :class:`ConfigError` messages that name the
+field (as a dotted path, stages by node name) and say how to fix it, and applies
+``-o dotted.key=value`` overrides (``stages.<node>.params.<key>=...`` addresses a
+stage by its node name).
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlpipe.errors import ConfigError
+from rlpipe.schemas.config import PipelineConfig
+
+
+def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[PipelineConfig, str]:
+    """Parse and validate ``path`` with overrides applied; returns the config and the YAML text."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pipeline file {str(path)!r} does not exist; pass the path of a pipeline YAML")
+    text = path.read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping (model:, tokenizer:, stages: ...)")
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_config(raw, source=str(path)), text
+
+
+def validate_config(raw: dict[str, Any], source: str = "pipeline") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe(err, raw) for err in exc.errors()]
+        raise ConfigError(f"{source}: invalid pipeline config:\n  " + "\n  ".join(lines)) from None
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML) to the raw config in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like dotted.key=value (e.g. trainer.total_steps=5)")
+    key, value_text = override.split("=", 1)
+    value = yaml.safe_load(value_text) if value_text.strip() else ""
+    parts = key.strip().split(".")
+    target: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        if part == "stages" and isinstance(target, dict) and i == 0:
+            node = parts[i + 1] if i + 1 < len(parts) else ""
+            target = _stage_by_name(raw, node, override)
+            return _set_path(target, parts[i + 2 :], value, override)
+        target = target.setdefault(part, {}) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a mapping")
+    target[parts[-1]] = value
+
+
+def _stage_by_name(raw: dict[str, Any], node: str, override: str) -> dict[str, Any]:
+    stages = raw.get("stages") or []
+    for stage in stages:
+        if isinstance(stage, dict) and (stage.get("name") or stage.get("kind")) == node:
+            return stage
+    names = sorted(str(s.get("name") or s.get("kind")) for s in stages if isinstance(s, dict))
+    raise ConfigError(f"override {override!r}: no stage named {node!r}; stages are: {', '.join(names)}")
+
+
+def _set_path(target: dict[str, Any], parts: list[str], value: Any, override: str) -> None:
+    if not parts:
+        raise ConfigError(f"override {override!r}: say which field of the stage, e.g. stages.update.params.lr=1e-3")
+    for part in parts[:-1]:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"override {override!r}: {part} is not a mapping")
+    target[parts[-1]] = value
+
+
+def _describe(err: dict[str, Any], raw: dict[str, Any]) -> str:
+    loc = _dotted(err["loc"], raw)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown field{_suggest(err['loc'], raw)}"
+    if kind == "missing":
+        return f"{loc}: required field is missing"
+    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _dotted(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
+    """``('stages', 2, 'params')`` → ``stages[2:update].params`` so the user can find the node."""
+    out: list[str] = []
+    for i, part in enumerate(loc):
+        if isinstance(part, int) and out and out[-1] == "stages":
+            stages = raw.get("stages") or []
+            node = stages[part] if part < len(stages) and isinstance(stages[part], dict) else {}
+            out[-1] = f"stages[{part}:{node.get('name') or node.get('kind', '?')}]"
+        else:
+            out.append(str(part))
+    return ".".join(out)
+
+
+def _suggest(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
+    """Suggest the closest valid field name for an unknown key."""
+    model: type[BaseModel] | None = PipelineConfig
+    for part in loc[:-1]:
+        if model is None:
+            break
+        field = model.model_fields.get(str(part))
+        model = _submodel(field.annotation) if field else (model if isinstance(part, int) else None)
+    if model is None:
+        return ""
+    fields = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} allowed here: {', '.join(fields)}"
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    candidates = [annotation, *getattr(annotation, "__args__", ())]
+    for cand in candidates:
+        inner = [cand, *getattr(cand, "__args__", ())]
+        for c in inner:
+            if isinstance(c, type) and issubclass(c, BaseModel):
+                return c
+    return None

@@ -1,0 +1,99 @@
+"""The prompt source: a registered dataset, tokenized once, drawn per step.
+
+Each global step draws ``data.prompts_per_step`` prompts in a seeded, per-epoch
+shuffled order. Every draw gets a fresh ``uid`` (``<step>-<i>``), so a prompt
+seen in two epochs forms two groups. The position (epoch, cursor) is part of a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.errors import ConfigError
+from rlpipe.jagged import from_flat
+from rlpipe.schemas.batch import DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
+from rlpipe.schemas.config import DataConfig
+from rlpipe.stages.datasets import load_dataset
+
+
+def tokenize_prompts(texts: list[str], tokenizer, chat_template: bool) -> list[list[int]]:
+    """Token ids of each prompt (the HF fast tokenizer batches in Rust)."""
+    if chat_template:
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+            for t in texts
+        ]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+class PromptLoader:
+    """Draws prompt batches (Arrow tables with the prompt columns) step by step."""
+
+    def __init__(self, data: DataConfig, tokenizer, seed: int):
+        self.data = data
+        self.seed = seed
+        table = load_dataset(data.source, data.params, seed)
+        ids = tokenize_prompts(table.column("prompt").to_pylist(), tokenizer, data.apply_chat_template)
+        lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        too_long = np.flatnonzero(lens > data.max_prompt_length)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ConfigError(
+                f"data: prompt #{i} has {lens[i]} tokens > data.max_prompt_length={data.max_prompt_length} "
+                f"({too_long.size} prompts too long); raise data.max_prompt_length or filter the dataset"
+            )
+        if table.num_rows < data.prompts_per_step:
+            raise ConfigError(
+                f"data: dataset {data.source!r} has {table.num_rows} prompts, fewer than "
+                f"data.prompts_per_step={data.prompts_per_step}; lower prompts_per_step or add data"
+            )
+        flat = np.concatenate([np.asarray(x, dtype=np.int32) for x in ids]) if ids else np.zeros(0, np.int32)
+        self.prompt_ids = from_flat(flat, lens, pa.int32())
+        self.ground_truth = table.column("ground_truth").combine_chunks()
+        self.data_source = table.column("data_source").combine_chunks()
+        self.size = table.num_rows
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.data.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def next_indices(self, count: int) -> np.ndarray:
+        """The next ``count`` dataset rows, crossing into a new epoch (reshuffled) when needed."""
+        out = []
+        while count > 0:
+            take = min(count, self.size - self.cursor)
+            out.append(self._order[self.cursor : self.cursor + take])
+            self.cursor += take
+            count -= take
+            if self.cursor == self.size:
+                self.epoch += 1
+                self.cursor = 0
+                self._order = self._permutation(self.epoch)
+        return np.concatenate(out)
+
+    def next_batch(self, step: int, count: int | None = None, uid_prefix: str = "") -> pa.Table:
+        """``count`` (default prompts_per_step) prompts submitted at global ``step``."""
+        count = self.data.prompts_per_step if count is None else count
+        rows = pa.array(self.next_indices(count))
+        uids = [f"{uid_prefix}{step}-{i}" for i in range(count)]
+        return pa.table({
+            UID: pa.array(uids, pa.string()),
+            DATA_SOURCE: self.data_source.take(rows),
+            GROUND_TRUTH: self.ground_truth.take(rows),
+            PROMPT_IDS: self.prompt_ids.take(rows),
+            PROMPT_STEP: pa.array(np.full(count, step, dtype=np.int32)),
+        })
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
+        self._order = self._permutation(self.epoch)

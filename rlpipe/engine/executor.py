@@ -1,0 +1,187 @@
+"""The step executor: runs planned nodes over one batch on Ray.
+
+Task stages become Ray tasks; worker stages run on every worker of their role
+(rows routed by ``dp_rank`` for data-parallel roles, split evenly across
+replicas otherwise); driver stages run here with a facade to the workers. After
+each node the executor checks the stage kept its column contract, assembles the
+next table, and hands a lineage record to the observer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import pyarrow as pa
+from rlpipe.engine.lineage import fingerprint, policy_versions
+from rlpipe.engine.observer import NodeRecord, Observer
+from rlpipe.engine.plan import Plan, PlannedNode
+from rlpipe.errors import StageError
+from rlpipe.schemas.batch import DP_RANK
+from rlpipe.stage import StageContext, StageResult
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """Where stages physically run (Ray: rlpipe.engine.ray_runtime; in-process: rlpipe.engine.inline)."""
+
+    workers: Any
+
+    def group_size(self, role: str) -> int: ...
+
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult: ...
+
+    def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
+                       ctxs: list[StageContext]) -> list[StageResult]: ...
+
+    def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]: ...
+
+    def shutdown(self) -> None: ...
+
+
+class StepExecutor:
+    """Runs nodes of a plan; one instance per pipeline run."""
+
+    def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int):
+        self.plan = plan
+        self.backend = backend
+        self.observer = observer
+        self.run_id = run_id
+        self.seed = seed
+        self.policy_version = 0
+        generate = plan.node("generate")
+        # One source of truth for sampling temperature: the generate node's params.
+        self.base_extras = {"temperature": float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0}
+        self.carry: dict[str, dict[str, Any]] = {}
+        """Per node: the state its last execution handed forward (StageResult.carry)."""
+        self.after_node: list[Callable[[PlannedNode, int], None]] = []
+        """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.backend.group_size("actor")
+
+    def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
+            extras: dict[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
+        """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics."""
+        metrics: dict[str, float] = {}
+        fp = fingerprint(table)
+        for node in nodes if nodes is not None else self.plan.nodes:
+            table, node_metrics, fp = self.run_node(step, node, table, fp, extras or {})
+            metrics.update(node_metrics)
+        return table, metrics
+
+    def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str,
+                 extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
+        ctx = StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
+                           dp_size=self.dp_size, extras={**self.base_extras, **extras},
+                           carry=dict(self.carry.get(node.name, {})))
+        start = time.time()
+        try:
+            result = self._dispatch(node, table, ctx)
+            out = apply_result(node, table, result)
+        except StageError:
+            raise
+        except Exception as exc:
+            # Ray wraps a remote error; its `cause` is the original (often our StageError).
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, StageError):
+                raise cause from None
+            raise StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc) from exc
+        duration = time.time() - start
+        if result.carry:
+            self.carry[node.name] = dict(result.carry)
+        if node.kind == "weight_sync":
+            self.policy_version = int(self.backend.workers.call("actor", "get_version", rank=0)[0])
+        metrics = dict(result.metrics)
+        metrics[f"timing/{node.name}_s"] = duration
+        out_fp = fingerprint(out)
+        self.observer.on_node_end(NodeRecord(
+            run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
+            params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
+            input_fingerprint=input_fp, output_fingerprint=out_fp, rows_in=table.num_rows,
+            rows_out=out.num_rows, policy_versions=policy_versions(out), trainer_version=self.policy_version,
+            start_time=start, duration_s=duration, metrics=dict(result.metrics),
+        ))
+        for hook in self.after_node:
+            hook(node, step)
+        return out, metrics, out_fp
+
+    def _dispatch(self, node: PlannedNode, table: pa.Table, ctx: StageContext) -> StageResult:
+        spec = node.spec
+        params = node.params_dict
+        if spec.placement == "task":
+            return self.backend.run_task(node.kind, node.impl, params, table, ctx)
+        if spec.placement == "driver":
+            return spec.fn(table, node.params, dataclasses.replace(ctx, workers=self.backend.workers))
+        shards = self.backend.shards(spec.role, table, DP_RANK)
+        tables = [_rows(table, rows) for rows in shards]
+        ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
+        results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs)
+        return merge_results(results, shards, spec.creates_rows)
+
+
+def _rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    if len(rows) == table.num_rows and (len(rows) == 0 or np.all(np.diff(rows) == 1)):
+        return table
+    return table.take(pa.array(rows))
+
+
+def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_rows: bool) -> StageResult:
+    """Combine the per-worker results of one worker stage into one, in the input's row order."""
+    metrics = _mean_metrics([r.metrics for r in results])
+    carry = results[0].carry if results else {}  # replicas agree (data-parallel ranks run in lockstep)
+    if creates_rows:
+        return StageResult(table=pa.concat_tables([r.table for r in results]), metrics=metrics, carry=carry)
+    if any(r.keep is not None for r in results):
+        raise ValueError("worker stages cannot select rows; use a task stage for filtering")
+    order = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
+    inverse = pa.array(np.argsort(order, kind="stable"))
+    columns = {}
+    for name in results[0].columns if results else []:
+        merged = pa.concat_arrays([_array(r.columns[name]) for r in results])
+        columns[name] = merged.take(inverse)
+    return StageResult(columns=columns, metrics=metrics, carry=carry)
+
+
+def _array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+def _mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
+    keys = sorted({k for m in all_metrics for k in m})
+    return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in keys}
+
+
+def apply_result(node: PlannedNode, table: pa.Table, result: StageResult) -> pa.Table:
+    """The next table: ``result`` applied to ``table``, after checking the node's write contract."""
+    if result.table is not None:
+        out = result.table
+        written = {name: out.schema.field(name).type for name in out.column_names}
+    else:
+        out = table.take(pa.array(np.asarray(result.keep, dtype=np.int64))) if result.keep is not None else table
+        written = {}
+        for name, arr in result.columns.items():
+            arr = _array(arr)
+            if len(arr) != out.num_rows:
+                raise ValueError(f"column {name!r} has {len(arr)} rows, the batch has {out.num_rows}")
+            written[name] = arr.type
+            idx = out.schema.get_field_index(name)
+            out = out.set_column(idx, name, arr) if idx >= 0 else out.append_column(name, arr)
+    missing = sorted(set(node.writes) - set(written))
+    undeclared = sorted(set(written) - set(node.writes) - (set(table.column_names) if result.table is not None else set()))
+    wrong = sorted(n for n, t in written.items() if n in node.writes and t != node.writes[n])
+    if missing or undeclared or wrong:
+        details = []
+        if missing:
+            details.append(f"declared but not written: {missing}")
+        if undeclared:
+            details.append(f"written but not declared: {undeclared}")
+        if wrong:
+            details.append("wrong types: " + ", ".join(f"{n} is {written[n]}, declared {node.writes[n]}" for n in wrong))
+        raise ValueError("stage broke its column contract: " + "; ".join(details))
+    return out

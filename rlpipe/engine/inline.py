@@ -1,0 +1,69 @@
+"""In-process backend: the same stages and worker states, no Ray.
+
+Used to measure the engine's overhead (``benchmarks/engine_overhead.py``: the
+DAG on Ray vs the same stage functions called inline) and to check that Ray
+execution changes nothing (tests). Data-parallel roles must have one worker
+here: gloo ranks need processes of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.engine.ray_runtime import _run_stage, shard_rows
+from rlpipe.engine.workers import WORKER_ROLES
+from rlpipe.errors import ConfigError
+from rlpipe.schemas.config import PipelineConfig
+from rlpipe.stage import StageContext, StageResult
+
+
+class LocalWorkerCalls:
+    """``ctx.workers`` for in-process states; ``call_async`` returns plain values."""
+
+    def __init__(self, states: dict[str, list[Any]]):
+        self.states = states
+
+    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        targets = self.states[role] if rank is None else [self.states[role][rank]]
+        return [getattr(state, method)(*args, **kwargs) for state in targets]
+
+    call_async = call
+
+    def has_role(self, role: str) -> bool:
+        return role in self.states
+
+
+class InlineBackend:
+    """Runs every stage in this process against locally built worker states."""
+
+    def __init__(self, config: PipelineConfig, roles: set[str]):
+        self.sharded: dict[str, bool] = {}
+        states: dict[str, list[Any]] = {}
+        for role in sorted(roles):
+            spec = WORKER_ROLES.get(role)
+            size = spec.size(config)
+            if spec.sharded and size > 1:
+                raise ConfigError(f"the inline backend runs one {role} worker; set trainer.dp_size=1")
+            states[role] = [spec.build(config, rank, size, None) for rank in range(size)]
+            self.sharded[role] = spec.sharded
+        self.states = states
+        self.workers = LocalWorkerCalls(states)
+
+    def group_size(self, role: str) -> int:
+        return len(self.states.get(role, [None]))
+
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
+        return _run_stage(kind, impl, params, table, ctx)
+
+    def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
+                       ctxs: list[StageContext]) -> list[StageResult]:
+        return [_run_stage(kind, impl, params, t, c, s) for s, t, c in zip(self.states[role], tables, ctxs)]
+
+    def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
+        return shard_rows(table, len(self.states[role]), self.sharded[role], dp_rank_column)
+
+    def shutdown(self) -> None:
+        self.states.clear()

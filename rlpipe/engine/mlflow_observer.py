@@ -1,0 +1,383 @@
+"""The MLflow observer: lineage and metrics of a pipeline run in MLflow.
+
+Layout of what it writes (readable with the plain MLflow client, or with
+:mod:`rlpipe.engine.runs`):
+
+* one **parent run** per pipeline run (tag ``rlpipe.role = pipeline``), in
+  experiment ``tracking.experiment`` of the store at ``tracking.uri``, else
+  ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``. Tags
+  ``rlpipe.<key>`` from the plan summary (``rlpipe.mode``, ``rlpipe.nodes`` ...);
+  params = the resolved config flattened to dotted keys; artifacts
+  ``pipeline.yaml``, ``resolved_config.json``, ``plan_summary.json``,
+  ``lineage/lineage.parquet`` (one row per (step, node), see
+  :data:`rlpipe.engine.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
+  and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
+  metrics per step plus ``timing/<node>`` (seconds).
+* one **child run** per DAG node (nested through ``mlflow.parentRunId``, tag
+  ``rlpipe.role = node``), created on the node's first record, tagged
+  ``rlpipe.kind / impl / node / code_hash / params_hash``, with the impl params
+  as MLflow params and per-step metrics: the stage's metrics plus ``duration_s``,
+  ``rows_in``, ``rows_out``, ``trainer_version`` and ``policy_version/min|max``.
+
+Cost: one ``log_batch`` per node per step (FACTS.md: a batch of 100 metrics costs
+what ~3 single ``log_metric`` calls do); the lineage Parquet is rewritten and
+re-uploaded at every step end and at run end, so a crash loses at most the
+records of the step in flight.
+
+Tracking trouble never stops training: after the run has started, MLflow or I/O
+errors are logged as warnings and kept in :attr:`MLflowObserver.failures`. Only
+:meth:`~MLflowObserver.on_run_start` raises (:class:`TrackingError`), because a
+run that cannot be tracked at all should not start silently.
+
+Resuming: ``MLflowObserver(..., resume_run_id=id)`` continues an existing parent
+run (its node runs and lineage are picked up; a (step, node) executed again
+replaces its earlier lineage row).
+
+Left out: async logging (``synchronous=False``), system metrics, MLflow
+datasets/``log_input``, model registry entries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.utils.validation import (  # noqa: E402
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+)
+
+from rlpipe.engine import runs  # noqa: E402
+from rlpipe.engine.lineage import records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.observer import NodeRecord  # noqa: E402
+from rlpipe.errors import RlpipeError  # noqa: E402
+from rlpipe.schemas.config import TrackingConfig  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+_STATUSES = ("FINISHED", "FAILED", "KILLED")
+_BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in keys on every OS (no colon on Windows)
+_MAX_KEY = 250
+_MAX_LIST_PARAMS = 16  # longer lists become one JSON param instead of one param per item
+
+
+class TrackingError(RlpipeError):
+    """MLflow tracking cannot start."""
+
+
+def _key(name: str) -> str:
+    """A valid MLflow metric/param/tag key for ``name`` (bad characters become '_')."""
+    k = _BAD_KEY_CHARS.sub("_", str(name))
+    k = re.sub(r"/+", "/", k).strip("/")  # MLflow rejects keys that normalise as paths differently
+    k = "/".join(p if p not in (".", "..") else "_" for p in k.split("/"))
+    return k[:_MAX_KEY] or "_"
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts/lists → {"a.b.0": "value"}; long lists stay one JSON value."""
+    out: dict[str, str] = {}
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)) and obj and len(obj) <= _MAX_LIST_PARAMS:
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}.{i}" if prefix else str(i)))
+    elif prefix:
+        if isinstance(obj, (dict, list, tuple)):
+            text = json.dumps(obj, sort_keys=True, default=str)
+        else:
+            text = str(obj)
+        out[prefix] = text[:MAX_PARAM_VAL_LENGTH]
+    return out
+
+
+def _chunks(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+class MLflowObserver:
+    """An :class:`rlpipe.engine.observer.Observer` that writes to MLflow (layout in the module docstring)."""
+
+    def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None):
+        self.tracking = tracking
+        self.run_name = run_name
+        self.resume_run_id = resume_run_id
+        self.tracking_uri = runs.resolve_tracking_uri(tracking.uri)
+        self.client: MlflowClient | None = None  # made in on_run_start, where a bad store is reported well
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self._artifact_uri = ""
+        self.failures: list[str] = []
+        """Tracking errors survived since the run started (also logged as warnings)."""
+        self._node_runs: dict[str, str] = {}
+        self._node_hash: dict[str, str] = {}
+        self._records: dict[int, dict[str, NodeRecord]] = {}  # step → node → latest record
+        self._lineage_dirty = False
+        self._ended = False
+        self._lock = threading.RLock()  # the async modes may report from several threads
+        self._tmp = Path(tempfile.mkdtemp(prefix="rlpipe-mlflow-"))
+
+    # -- Observer protocol -------------------------------------------------------------------
+
+    def on_run_start(self, config: dict[str, Any], pipeline_yaml: str, plan_summary: dict[str, Any]) -> str:
+        with self._lock:
+            try:
+                self.client = MlflowClient(tracking_uri=self.tracking_uri)
+                self.experiment_id = self._experiment()
+                if self.resume_run_id:
+                    self._resume(self.resume_run_id)
+                else:
+                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary)}
+                    run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
+                    self.run_id = run.info.run_id
+                    params = [Param(_key(k), v) for k, v in _flatten(config).items()]
+                    for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
+                        self.client.log_batch(self.run_id, params=chunk)
+                self._artifact_uri = self.client.get_run(self.run_id).info.artifact_uri
+                self.client.log_text(self.run_id, pipeline_yaml or "", "pipeline.yaml")
+                for name, obj in (("resolved_config.json", config), ("plan_summary.json", plan_summary)):
+                    self.client.log_text(self.run_id, json.dumps(obj, indent=2, sort_keys=True, default=str), name)
+            except RlpipeError:
+                raise
+            except Exception as exc:
+                raise TrackingError(
+                    f"cannot start MLflow tracking at {self.tracking_uri} (experiment {self.tracking.experiment!r}): "
+                    f"{type(exc).__name__}: {exc}. Check tracking.uri / MLFLOW_TRACKING_URI (is the server up?), "
+                    "or set tracking.enabled: false for a throwaway run"
+                ) from exc
+            log.info("MLflow run %s (%s) at %s", self.run_id, self.run_name, self.tracking_uri)
+            return self.run_id
+
+    def on_node_end(self, record: NodeRecord) -> None:
+        with self._lock:
+            if not self._accepting("on_node_end"):
+                return
+            self._records.setdefault(record.step, {})[record.node] = record
+            self._lineage_dirty = True
+            self._guard(f"logging node {record.node!r} step {record.step}", self._log_node, record)
+
+    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None) -> None:
+        with self._lock:
+            if not self._accepting("on_step_end"):
+                return
+            self._guard(f"logging step {step} metrics", self._log_step_metrics, step, metrics)
+            if trajectories is not None and self.tracking.sample_trajectories:
+                self._guard(f"logging step {step} trajectories", self._log_trajectories, step, trajectories)
+            self._guard("writing the lineage table", self._write_lineage)
+
+    def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        """Log a file (to ``<artifact_path>/<name>``) or a directory (its contents to ``artifact_path``, default its name).
+
+        The resulting artifact URI is recorded as tag ``rlpipe.artifact.<location>``.
+        """
+        with self._lock:
+            if not self._accepting("on_artifact"):
+                return
+            self._guard(f"logging artifact {local_path}", self._log_artifact, Path(local_path), artifact_path)
+
+    def on_run_end(self, status: str, error: str | None = None) -> None:
+        with self._lock:
+            if self._ended or self.run_id is None:
+                return
+            self._ended = True
+            if status not in _STATUSES:
+                log.warning("unknown run status %r; recording FAILED", status)
+                status = "FAILED"
+            self._guard("writing the lineage table", self._write_lineage)
+            if error:
+                self._guard("recording the error", self._log_error, error)
+            end = int(time.time() * 1000)
+            for node, child in self._node_runs.items():
+                self._guard(f"ending node run {node!r}", self.client.set_terminated, child, status, end)
+            self._guard("ending the run", self.client.set_terminated, self.run_id, status, end)
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- run start -----------------------------------------------------------------------------
+
+    def _experiment(self) -> str:
+        name = self.tracking.experiment
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                raise TrackingError(
+                    f"MLflow experiment {name!r} at {self.tracking_uri} is deleted; restore it "
+                    f"(`mlflow experiments restore`) or set tracking.experiment to another name"
+                )
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=self._artifact_location(name))
+        except Exception:
+            exp = self.client.get_experiment_by_name(name)  # another process created it meanwhile
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def _artifact_location(self, experiment: str) -> str | None:
+        """Artifacts of a local sqlite store live next to the database, wherever the run was started from."""
+        if not self.tracking_uri.startswith("sqlite:///"):
+            return None  # servers and other stores: their own default
+        db = Path(self.tracking_uri[len("sqlite:///") :]).expanduser().resolve()
+        return str(db.parent / "mlruns" / _key(experiment).replace("/", "_"))
+
+    def _summary_tags(self, summary: dict[str, Any]) -> dict[str, str]:
+        tags: dict[str, str] = {}
+        for k, v in summary.items():
+            if isinstance(v, (str, int, float, bool)) or v is None:
+                tags[_key(f"rlpipe.{k}")] = str(v)[:MAX_TAG_VAL_LENGTH]
+            elif isinstance(v, list) and v and all(isinstance(x, dict) and "name" in x for x in v):
+                tags[_key(f"rlpipe.{k}")] = ",".join(str(x["name"]) for x in v)[:MAX_TAG_VAL_LENGTH]
+            else:
+                text = json.dumps(v, sort_keys=True, default=str)
+                if len(text) <= 500:  # larger structures live in plan_summary.json only
+                    tags[_key(f"rlpipe.{k}")] = text
+        return tags
+
+    def _resume(self, run_id: str) -> None:
+        run = self.client.get_run(run_id)
+        self.run_id = run_id
+        self.client.update_run(run_id, status="RUNNING")
+        resumes = int(run.data.tags.get("rlpipe.resumes", "0")) + 1
+        self.client.set_tag(run_id, "rlpipe.resumes", str(resumes))
+        for node, child in runs.node_runs(run_id, self.tracking_uri).items():
+            self._node_runs[node] = child.info.run_id
+            self._node_hash[node] = child.data.tags.get("rlpipe.params_hash", "")
+            self.client.update_run(child.info.run_id, status="RUNNING")
+        try:
+            table = runs.lineage_table(run_id, self.tracking_uri)
+        except runs.RunNotFoundError:
+            return  # the run died before its first step end
+        for r in table_to_records(table):
+            self._records.setdefault(r.step, {})[r.node] = r
+
+    # -- per node / per step -------------------------------------------------------------------
+
+    def _accepting(self, what: str) -> bool:
+        if self.run_id is None or self._ended:
+            log.warning("MLflowObserver.%s called %s; ignored", what, "after on_run_end" if self._ended else "before on_run_start")
+            return False
+        return True
+
+    def _guard(self, what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # tracking must not kill a training run
+            msg = f"{what}: {type(exc).__name__}: {exc}"
+            self.failures.append(msg)
+            log.warning("MLflow tracking trouble (the run continues): %s", msg, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def _node_run(self, r: NodeRecord) -> str:
+        child = self._node_runs.get(r.node)
+        if child is None:
+            tags = {
+                "mlflow.parentRunId": self.run_id,
+                runs.ROLE_TAG: runs.ROLE_NODE,
+                runs.NODE_TAG: r.node,
+                "rlpipe.kind": r.kind,
+                "rlpipe.impl": r.impl,
+                "rlpipe.code_hash": r.code_hash,
+                "rlpipe.params_hash": r.params_hash,
+            }
+            child = self.client.create_run(self.experiment_id, run_name=r.node, tags=tags).info.run_id
+            self._node_runs[r.node] = child
+            self._node_hash[r.node] = r.params_hash
+            params = [Param(_key(k), v) for k, v in _flatten(r.params).items()]
+            for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
+                self.client.log_batch(child, params=chunk)
+        elif self._node_hash.get(r.node) != r.params_hash:
+            # MLflow params are immutable; the tag follows the change and the lineage keeps every value.
+            log.warning("node %r changed params (hash %s → %s) at step %d", r.node, self._node_hash.get(r.node), r.params_hash, r.step)
+            self._node_hash[r.node] = r.params_hash
+            self.client.set_tag(child, "rlpipe.params_hash", r.params_hash)
+        return child
+
+    def _log_node(self, r: NodeRecord) -> None:
+        child = self._node_run(r)
+        ts = int((r.start_time + r.duration_s) * 1000)
+        values: dict[str, float] = {}
+        for k, v in r.metrics.items():
+            try:
+                values[_key(k)] = float(v)
+            except (TypeError, ValueError):
+                log.debug("node %r metric %r is not a number (%r); skipped", r.node, k, v)
+        values.update(duration_s=float(r.duration_s), rows_in=float(r.rows_in), rows_out=float(r.rows_out),
+                      trainer_version=float(r.trainer_version))
+        if r.policy_versions:
+            values["policy_version/min"] = float(min(r.policy_versions))
+            values["policy_version/max"] = float(max(r.policy_versions))
+        self._log_metrics(child, values, r.step, ts)
+
+    def _log_metrics(self, run_id: str, values: dict[str, float], step: int, ts: int) -> None:
+        metrics = [Metric(k, v, ts, step) for k, v in values.items()]
+        for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=chunk)
+
+    def _log_step_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        values: dict[str, float] = {}
+        for k, v in metrics.items():
+            try:
+                values[_key(k)] = float(v)
+            except (TypeError, ValueError):
+                log.debug("step metric %r is not a number (%r); skipped", k, v)
+        for r in self._records.get(step, {}).values():
+            values.setdefault(_key(f"timing/{r.node}"), float(r.duration_s))
+            # Headline fallback: the reward stage's own mean when the engine did not pass one.
+            if "reward/mean" in r.metrics:
+                values.setdefault("reward/mean", float(r.metrics["reward/mean"]))
+        self._log_metrics(self.run_id, values, step, int(time.time() * 1000))
+
+    def _log_trajectories(self, step: int, trajectories: Any) -> None:
+        if isinstance(trajectories, pa.RecordBatch):
+            trajectories = pa.Table.from_batches([trajectories])
+        elif not isinstance(trajectories, pa.Table):
+            trajectories = pa.Table.from_pandas(trajectories, preserve_index=False)
+        table = trajectories.slice(0, self.tracking.sample_trajectories)
+        folder = self._tmp / runs.TRAJECTORIES_DIR
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step_{step:06d}.parquet"
+        pq.write_table(table, path)
+        self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
+        path.unlink()
+
+    def _write_lineage(self) -> None:
+        if not self._lineage_dirty:
+            return
+        records = [r for step in sorted(self._records) for r in sorted(self._records[step].values(), key=lambda r: r.start_time)]
+        folder = self._tmp / "lineage"
+        folder.mkdir(exist_ok=True)
+        path = folder / "lineage.parquet"
+        pq.write_table(records_to_table(records), path)
+        self.client.log_artifact(self.run_id, str(path), "lineage")
+        self._lineage_dirty = False
+
+    def _log_artifact(self, local: Path, artifact_path: str | None) -> None:
+        if not local.exists():
+            raise FileNotFoundError(f"{local} does not exist")
+        if local.is_dir():
+            dest = artifact_path or local.name
+            self.client.log_artifacts(self.run_id, str(local), dest)
+        else:
+            dest = f"{artifact_path.rstrip('/')}/{local.name}" if artifact_path else local.name
+            self.client.log_artifact(self.run_id, str(local), artifact_path)
+        uri = f"{self._artifact_uri}/{dest}"
+        self.client.set_tag(self.run_id, _key(f"rlpipe.artifact.{dest}"), uri)
+
+    def _log_error(self, error: str) -> None:
+        self.client.set_tag(self.run_id, "rlpipe.error", error[:MAX_TAG_VAL_LENGTH])
+        self.client.log_text(self.run_id, error, "error.txt")

@@ -1,0 +1,186 @@
+"""Ray plumbing: the generic worker actor, worker groups, stage tasks.
+
+Every role runs in the same actor class, :class:`WorkerActor`, which builds the
+role's state from the ``worker_role`` registry and runs worker stages against
+it. Stateless stages run as Ray tasks. Arrow tables travel as Ray objects
+(zero-copy out of the object store); torch tensors never cross process lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from rlpipe.errors import StageError
+from rlpipe.registry import load_plugins
+from rlpipe.stage import StageContext, StageResult, stage_registry
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None, num_cpus: int | None) -> None:
+    """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray; idempotent."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": {"MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+
+
+def _run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext, state: Any = None):
+    load_plugins()
+    spec = stage_registry(spec_kind).get(impl)
+    parsed = spec.params_model.model_validate(params)
+    try:
+        if spec.placement == "worker":
+            return spec.fn(state, batch, parsed, ctx)
+        return spec.fn(batch, parsed, ctx)
+    except StageError:
+        raise
+    except Exception as exc:
+        log.exception("stage %s/%s failed at step %d", spec_kind, impl, ctx.step)
+        raise StageError(spec_kind, impl, ctx.step, exc) from exc
+
+
+@ray.remote(num_cpus=1, max_retries=0)
+def run_task_stage(kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
+    """A stateless stage as a Ray task."""
+    return _run_stage(kind, impl, params, batch, ctx)
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WorkerActor:
+    """Hosts one worker of one role; runs worker stages and role methods."""
+
+    def __init__(self, role: str, rank: int, world_size: int, config: dict, dist_address: str | None):
+        from rlpipe.engine.workers import WORKER_ROLES
+        from rlpipe.schemas.config import PipelineConfig
+
+        load_plugins()
+        logging.basicConfig(level=logging.INFO)
+        self.role = role
+        self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
+
+    def ready(self) -> bool:
+        return True
+
+    def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
+        return _run_stage(kind, impl, params, batch, ctx, self.state)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.state, method)(*args, **kwargs)
+
+
+def free_address() -> str:
+    """A free TCP address on this host for a gloo rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+class WorkerGroup:
+    """The workers of one role."""
+
+    def __init__(self, role: str, size: int, sharded: bool, config: dict):
+        self.role = role
+        self.sharded = sharded
+        address = free_address() if sharded and size > 1 else None
+        self.actors = [
+            WorkerActor.options(name=None).remote(role, rank, size, config, address) for rank in range(size)
+        ]
+
+    @property
+    def size(self) -> int:
+        return len(self.actors)
+
+    def ready(self) -> None:
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
+        actors = self.actors if rank is None else [self.actors[rank]]
+        return [a.call.remote(method, *args, **kwargs) for a in actors]
+
+    def call(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        return ray.get(self.call_async(method, *args, rank=rank, **kwargs))
+
+
+def shard_rows(table: pa.Table, size: int, sharded: bool, dp_rank_column: str) -> list[np.ndarray]:
+    """Row indices each worker gets: by ``dp_rank`` when sharded, else contiguous even chunks."""
+    if sharded and size > 1:
+        ranks = table.column(dp_rank_column).to_numpy()
+        return [np.flatnonzero(ranks == r) for r in range(size)]
+    return list(np.array_split(np.arange(table.num_rows), size))
+
+
+class RayBackend:
+    """How the executor runs stages on Ray: tasks, worker actors, and the driver-stage facade."""
+
+    def __init__(self, groups: dict[str, WorkerGroup]):
+        self.groups = groups
+        self.workers = RayWorkerCalls(groups)
+
+    @classmethod
+    def start(cls, config, roles: set[str]) -> "RayBackend":
+        """Start one worker group per role (all concurrently: DP ranks rendezvous while starting)."""
+        from rlpipe.engine.workers import WORKER_ROLES
+
+        config_dict = config.model_dump(mode="json")
+        groups = {}
+        for role in sorted(roles):
+            spec = WORKER_ROLES.get(role)
+            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict)
+        backend = cls(groups)
+        try:
+            for group in groups.values():
+                group.ready()
+        except Exception:
+            backend.shutdown()
+            raise
+        return backend
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            for actor in group.actors:
+                ray.kill(actor)
+
+    def group_size(self, role: str) -> int:
+        return self.groups[role].size if role in self.groups else 1
+
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
+        return ray.get(run_task_stage.remote(kind, impl, params, ray.put(table), ctx))
+
+    def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
+                       ctxs: list[StageContext]) -> list[StageResult]:
+        actors = self.groups[role].actors
+        return ray.get([a.run_stage.remote(kind, impl, params, t, c) for a, t, c in zip(actors, tables, ctxs)])
+
+    def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
+        group = self.groups[role]
+        return shard_rows(table, group.size, group.sharded, dp_rank_column)
+
+
+class RayWorkerCalls:
+    """The ``ctx.workers`` facade of driver stages, backed by the run's worker groups."""
+
+    def __init__(self, groups: dict[str, WorkerGroup]):
+        self.groups = groups
+
+    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        return self.groups[role].call(method, *args, rank=rank, **kwargs)
+
+    def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        """Like call, but returns futures that can be passed as arguments to later calls."""
+        return self.groups[role].call_async(method, *args, rank=rank, **kwargs)
+
+    def has_role(self, role: str) -> bool:
+        return role in self.groups

@@ -1,0 +1,118 @@
+"""Read rlpipe runs back from MLflow: for users, notebooks and tests.
+
+What :class:`rlpipe.engine.mlflow_observer.MLflowObserver` writes, read with the
+plain MLflow client: the parent run of a pipeline run (tag ``rlpipe.role =
+pipeline``), its node runs (``rlpipe.role = node``, nested through
+``mlflow.parentRunId``), the lineage table (``lineage/lineage.parquet``),
+metric histories and sampled trajectories (``trajectories/step_XXXXXX.parquet``).
+
+Every function takes an optional ``tracking_uri``; None resolves as the observer
+does: ``MLFLOW_TRACKING_URI``, else MLflow's own default, ``sqlite:///<cwd>/mlflow.db``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
+
+import pandas as pd  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from mlflow.entities import Run  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from rlpipe.errors import RlpipeError  # noqa: E402
+
+ROLE_TAG = "rlpipe.role"
+ROLE_PIPELINE = "pipeline"
+ROLE_NODE = "node"
+NODE_TAG = "rlpipe.node"
+LINEAGE_ARTIFACT = "lineage/lineage.parquet"
+TRAJECTORIES_DIR = "trajectories"
+
+
+class RunNotFoundError(RlpipeError):
+    """No rlpipe run where one was looked for."""
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """``uri``, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db`` (MLflow's default store)."""
+    if uri:
+        return uri
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def client(tracking_uri: str | None = None) -> MlflowClient:
+    """An MlflowClient on the resolved tracking URI."""
+    return MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+
+
+def latest_run(tracking_uri: str | None = None, experiment: str = "rlpipe") -> Run:
+    """The most recently started pipeline (parent) run of ``experiment``."""
+    uri = resolve_tracking_uri(tracking_uri)
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        raise RunNotFoundError(
+            f"no MLflow experiment {experiment!r} at {uri}; run a pipeline with tracking enabled, "
+            "or point MLFLOW_TRACKING_URI (or tracking.uri) at the store that has it"
+        )
+    runs = c.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`{ROLE_TAG}` = '{ROLE_PIPELINE}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        raise RunNotFoundError(f"experiment {experiment!r} at {uri} has no rlpipe pipeline run yet; run a pipeline first")
+    return runs[0]
+
+
+def node_runs(run_id: str, tracking_uri: str | None = None) -> dict[str, Run]:
+    """The node (child) runs of a pipeline run, by node name, in the order the nodes first ran."""
+    c = client(tracking_uri)
+    parent = c.get_run(run_id)
+    runs = c.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{run_id}'",
+        order_by=["attributes.start_time ASC"],  # node runs are made on first execution: DAG order
+        max_results=10_000,
+    )
+    return {r.data.tags.get(NODE_TAG, r.info.run_name): r for r in runs}
+
+
+def _read_parquet_artifact(c: MlflowClient, run_id: str, path: str) -> pa.Table:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = c.download_artifacts(run_id, path, tmp)
+        except Exception as exc:  # MLflow raises different types per artifact store
+            raise RunNotFoundError(
+                f"run {run_id} has no artifact {path!r} ({exc}); was it logged by rlpipe with tracking enabled?"
+            ) from None
+        return pq.read_table(local, memory_map=False)  # fully read before the temp dir goes
+
+
+def lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
+    """The lineage table of a pipeline run (schema :data:`rlpipe.engine.lineage.LINEAGE_SCHEMA`)."""
+    return _read_parquet_artifact(client(tracking_uri), run_id, LINEAGE_ARTIFACT)
+
+
+def trajectories(run_id: str, step: int, tracking_uri: str | None = None) -> pa.Table:
+    """The sampled trajectories logged at ``step``."""
+    return _read_parquet_artifact(client(tracking_uri), run_id, f"{TRAJECTORIES_DIR}/step_{step:06d}.parquet")
+
+
+def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> pd.DataFrame:
+    """History of one metric: columns step, value, timestamp (ms), sorted by step then time."""
+    hist = client(tracking_uri).get_metric_history(run_id, key)
+    df = pd.DataFrame(
+        {"step": [m.step for m in hist], "value": [m.value for m in hist], "timestamp": [m.timestamp for m in hist]},
+        columns=["step", "value", "timestamp"],
+    )
+    return df.sort_values(["step", "timestamp"], kind="stable").reset_index(drop=True)

@@ -1,0 +1,141 @@
+"""One pipeline run: plan, tracking, Ray workers, the mode, the end.
+
+``run_pipeline`` is what ``rlpipe run`` calls. Whatever happens, the observer
+is told how the run ended, so metrics, lineage and saved models already
+produced stay in MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.engine.data import PromptLoader
+from rlpipe.engine.executor import Backend, StepExecutor
+from rlpipe.engine.inline import InlineBackend
+from rlpipe.engine.observer import NullObserver, Observer
+from rlpipe.engine.plan import Plan, build_plan
+from rlpipe.engine.ray_runtime import RayBackend, init_ray
+from rlpipe.registry import registry
+from rlpipe.schemas.batch import REWARD
+from rlpipe.schemas.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+ALWAYS_ROLES = ("actor", "rollout")
+"""Roles every run needs: the trainer (weights' source of truth) and the rollout engine."""
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves behind."""
+
+    run_id: str
+    output_dir: str
+    final_metrics: dict[str, float]
+    steps: int
+
+
+class Runtime:
+    """The live parts of a run, shared by the mode and the executor."""
+
+    def __init__(self, config: PipelineConfig, plan: Plan, observer: Observer, run_id: str, backend: Backend,
+                 on_step: Callable[[int, dict[str, float]], None] | None = None):
+        self.config = config
+        self.plan = plan
+        self.observer = observer
+        self.run_id = run_id
+        self.on_step = on_step
+        self.start_step = 0
+        self.output_dir = str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
+        self.loader = PromptLoader(config.data, build_tokenizer(config.tokenizer), config.seed)
+        self.backend = backend
+        self.workers = backend.workers
+        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
+        self.last_metrics: dict[str, float] = {}
+        self._initial_sync()
+
+    def _initial_sync(self) -> None:
+        """Version 0 everywhere: rollout and reference start from the trainer's weights."""
+        buckets = self.workers.call_async("actor", "export_weights", rank=0)[0]
+        for role in ("rollout", "ref"):
+            if self.workers.has_role(role):
+                self.workers.call(role, "load_weights", buckets, 0)
+
+    def end_step(self, step: int, table: pa.Table, metrics: dict[str, float]) -> None:
+        """Headline metrics, sampled trajectories, periodic model saves."""
+        headline = dict(metrics)
+        if REWARD in table.column_names and table.num_rows:
+            headline["reward/mean"] = float(np.mean(table.column(REWARD).to_numpy()))
+        headline["step"] = step
+        headline["policy_version"] = self.executor.policy_version
+        sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
+        self.observer.on_step_end(step, headline, sample)
+        self.last_metrics = headline
+        every = self.config.trainer.save_every
+        if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:
+            self.save_model(f"step_{step + 1}")
+        if self.on_step:
+            self.on_step(step, headline)
+
+    def save_model(self, tag: str) -> str:
+        path = os.path.abspath(os.path.join(self.output_dir, tag))
+        self.workers.call("actor", "save_hf", path, rank=0)
+        self.observer.on_artifact(path, f"model/{tag}")
+        return path
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+
+def make_observer(config: PipelineConfig) -> Observer:
+    if not config.tracking.enabled:
+        return NullObserver()
+    from rlpipe.engine.mlflow_observer import MLflowObserver
+
+    return MLflowObserver(config.tracking, config.name)
+
+
+def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
+                 on_step: Callable[[int, dict[str, float]], None] | None = None,
+                 observer: Observer | None = None, inline: bool = False) -> RunResult:
+    """Plan, start, run every step, save the final model; returns where things are.
+
+    ``inline=True`` runs every stage in this process (no Ray): for benchmarks and tests.
+    """
+    plan = build_plan(config)
+    observer = observer or make_observer(config)
+    run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
+    runtime = backend = None
+    started = time.time()
+    try:
+        roles = set(ALWAYS_ROLES) | plan.roles()
+        if inline:
+            backend = InlineBackend(config, roles)
+        else:
+            init_ray(config.resources.ray_address, config.resources.num_cpus)
+            backend = RayBackend.start(config, roles)
+        runtime = Runtime(config, plan, observer, run_id, backend, on_step)
+        mode = registry("mode").get(config.mode)(runtime, plan.mode_params)
+        mode.run()
+        runtime.save_model("final")
+    except KeyboardInterrupt:
+        observer.on_run_end("KILLED", "interrupted")
+        raise
+    except BaseException as exc:
+        observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if backend is not None:
+            backend.shutdown()
+    observer.on_run_end("FINISHED")
+    log.info("run %s finished in %.1fs", run_id, time.time() - started)
+    return RunResult(run_id, runtime.output_dir, runtime.last_metrics, config.trainer.total_steps)

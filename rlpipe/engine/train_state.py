@@ -1,0 +1,169 @@
+"""State of a data-parallel trainer worker (roles ``actor`` and ``critic``).
+
+Holds the model, AdamW, the LR schedule (counted in *local* updates) and the
+gloo process group joining the DP ranks. Gradients are **summed** across ranks
+by :meth:`TrainState.optimizer_step`: losses are normalized by global token or
+sequence counts agreed before the backward pass (see
+``rlpipe.stages.algos.policy_loss``), so the sum is the exact full-batch
+gradient whatever the micro-batch and DP split.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from rlpipe.backends.model import build_model
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weights import export_buckets
+from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+def lr_lambda(schedule: LRScheduleConfig, total_updates: int):
+    """Multiplier of the peak LR after ``u`` local updates."""
+
+    def factor(u: int) -> float:
+        if schedule.warmup_updates and u < schedule.warmup_updates:
+            return (u + 1) / schedule.warmup_updates
+        if schedule.name == "constant":
+            return 1.0
+        span = max(1, total_updates - schedule.warmup_updates)
+        progress = min(1.0, (u - schedule.warmup_updates) / span)
+        if schedule.name == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return schedule.min_lr_ratio + (1.0 - schedule.min_lr_ratio) * shape
+
+    return factor
+
+
+def updates_per_step(config: PipelineConfig) -> int:
+    """Local optimizer updates in one global step: mini-batches × epochs."""
+    trainer = config.trainer
+    mini = trainer.ppo_mini_batch_size or config.data.prompts_per_step
+    return (config.data.prompts_per_step // mini) * trainer.ppo_epochs
+
+
+class TrainState:
+    """Model + optimizer + schedule + DP group of one trainer rank."""
+
+    def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None,
+                 model_factory: Callable[[Any], torch.nn.Module] | None = None):
+        torch.set_num_threads(config.trainer.torch_threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(config.resources.device)
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        self.pad_token_id = self.tokenizer.pad_token_id or 0
+        factory = model_factory or (lambda tok: build_model(config.model, tok, config.seed))
+        self.model = factory(self.tokenizer).to(self.device)
+        self.model.train()
+        opt = config.trainer.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.total_updates = config.trainer.total_steps * updates_per_step(config)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(config.trainer.lr_schedule, self.total_updates)
+        )
+        self.local_updates = 0
+        self.version = 0
+        if world_size > 1:
+            self._join_group(dist_address)
+
+    def _join_group(self, address: str | None) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{address}", rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(minutes=10),
+            )
+
+    # --- collectives -------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over DP ranks (in place) and return it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_reduce_mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average scalar metrics over DP ranks (same keys on every rank)."""
+        if self.world_size == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        self.all_reduce_sum(values)
+        return {k: float(v) / self.world_size for k, v in zip(keys, values)}
+
+    # --- optimization ------------------------------------------------------
+    def optimizer_step(self) -> dict[str, float]:
+        """Sum grads over ranks, clip, step the optimizer and the schedule; returns grad norm and LR."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1 and params:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            self.all_reduce_sum(flat)
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        clip = self.config.trainer.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            log.warning("non-finite grad norm %s at local update %d: update skipped", grad_norm, self.local_updates)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.local_updates += 1
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    # --- weights -----------------------------------------------------------
+    def export_weights(self):
+        """Inference-layout weight buckets of the current model (see rlpipe.backends.weights)."""
+        return export_buckets(self.model)
+
+    def bump_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def get_version(self) -> int:
+        return self.version
+
+    def save_hf(self, path: str) -> str:
+        from rlpipe.backends.model import save_hf_model
+
+        if self.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            save_hf_model(self.model, self.tokenizer, path)
+        return path
+
+    # --- checkpoint --------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "local_updates": self.local_updates,
+            "version": self.version,
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.local_updates = state["local_updates"]
+        self.version = state["version"]
+        torch.set_rng_state(state["rng"])

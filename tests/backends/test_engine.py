@@ -1,0 +1,229 @@
+"""The embedded rollout engine: logprobs, reproducibility, abort/resume, weight pushes, sleep."""
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from rlpipe.backends import sampling
+from rlpipe.backends.engine import EngineError, GenerationRequest, RolloutEngine, SamplingParams
+from rlpipe.backends.model import build_model
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weights import export_buckets
+from rlpipe.jagged import SequenceInputs, from_flat
+from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
+
+TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
+PROMPTS = ["1+2=", "abc de", "9", "h 77 + 1 ="]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matmuls on a shared 2-core box run many times faster without intra-op threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model(seed=0):
+    arch = ArchitectureConfig(
+        hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64
+    )
+    return build_model(ModelConfig(architecture=arch), TOK, seed)
+
+
+def engine(seed=0, version=0):
+    return RolloutEngine(model(seed), TOK, version=version)
+
+
+def requests(n=12, max_tokens=16, seed=7, prefix="r", **sampling_kw):
+    params = SamplingParams(seed=seed, **sampling_kw)
+    return [
+        GenerationRequest(f"{prefix}{i}", TOK.encode(PROMPTS[i % len(PROMPTS)]), max_tokens, params) for i in range(n)
+    ]
+
+
+def forward_logits(m, reqs, results):
+    """Full forward over prompt + response (no KV cache); returns (SequenceInputs, logits)."""
+    prompts = [np.asarray(r.prompt_ids) for r in reqs]
+    p = from_flat(np.concatenate(prompts), np.array([len(x) for x in prompts]), pa.int32())
+    lens = np.array([len(r.response_ids) for r in results])
+    resp = from_flat(np.concatenate([r.response_ids for r in results]), lens, pa.int32())
+    seq = SequenceInputs(p, resp, TOK.pad_token_id)
+    with torch.no_grad():
+        out = m(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids)
+    return seq, out.logits
+
+
+def padded(results, field):
+    width = max(len(r.response_ids) for r in results)
+    out = torch.zeros(len(results), width)
+    for i, r in enumerate(results):
+        out[i, : len(r.response_ids)] = torch.from_numpy(getattr(r, field).astype(np.float32))
+    return out
+
+
+def test_logprobs_equal_a_full_forward_recomputation():
+    eng = engine()
+    reqs = requests()
+    results = eng.generate(reqs)
+    seq, logits = forward_logits(eng.model, reqs, results)
+    assert torch.allclose(seq.response_logprobs(logits), padded(results, "logprobs"), atol=1e-5)
+    assert {r.finish_reason for r in results} <= {"stop", "length"}
+
+
+def test_logprob_is_of_the_tempered_top_k_distribution():
+    eng = engine()
+    reqs = requests(temperature=0.7, top_k=5)
+    results = eng.generate(reqs)
+    seq, logits = forward_logits(eng.model, reqs, results)
+    for i, r in enumerate(results):
+        row = logits[i, seq.prompt_width - 1 : seq.prompt_width - 1 + len(r.response_ids)] / 0.7
+        top = row.topk(5, dim=-1).values
+        picked = row.gather(1, torch.from_numpy(r.response_ids).long()[:, None]).squeeze(1)
+        assert (picked >= top[:, -1]).all()  # every token is among the 5 most likely
+        assert torch.allclose(torch.from_numpy(r.logprobs), picked - top.logsumexp(-1), atol=1e-5)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    n = logits.shape[0]
+    u = sampling.uniforms(torch.full((n,), 3), torch.arange(n))
+    token, logprob = sampling.sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.long), torch.full((n,), 0.7), u)
+    assert set(token.tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    assert torch.allclose(logprob[token == 0], torch.log(torch.tensor(0.5 / 0.8)))
+    assert abs((token == 0).float().mean().item() - 0.625) < 0.03
+
+
+def test_same_seed_same_trajectories_independent_of_the_batch():
+    a = engine().generate(requests(seed=1))
+    b = engine().generate(requests(seed=1))
+    c = engine().generate(requests(seed=2))
+    for x, y in zip(a, b):
+        assert np.array_equal(x.response_ids, y.response_ids) and np.array_equal(x.logprobs, y.logprobs)
+    assert any(not np.array_equal(x.response_ids, y.response_ids) for x, y in zip(a, c))
+    alone = engine().generate(requests(seed=1)[5:6])[0]  # a request's stream does not depend on its neighbours
+    assert np.array_equal(alone.response_ids, a[5].response_ids)
+
+
+def test_stop_and_length_finish_reasons():
+    results = engine().generate(requests(n=32, max_tokens=12))
+    eos = TOK.eos_token_id
+    for r in results:
+        assert len(r.response_ids) == len(r.logprobs) == len(r.versions) and (r.versions == 0).all()
+        assert eos not in r.response_ids[:-1].tolist()
+        if r.finish_reason == "stop":
+            assert r.response_ids[-1] == eos
+        else:
+            assert r.finish_reason == "length" and len(r.response_ids) == 12 and r.response_ids[-1] != eos
+    assert {r.finish_reason for r in results} == {"stop", "length"}
+
+
+def test_requests_joining_mid_flight_get_the_same_tokens_as_alone():
+    eng = engine()
+    first, second = requests(n=6, prefix="a"), requests(n=6, prefix="b", seed=3)
+    eng.submit(first)
+    done = eng.step() + eng.step() + eng.step()
+    eng.submit(second)
+    while eng.has_active():
+        done += eng.step()
+    by_id = {r.request_id: r for r in done}
+    for solo in engine().generate(first) + engine().generate(second):
+        assert np.array_equal(by_id[solo.request_id].response_ids, solo.response_ids)
+        assert np.allclose(by_id[solo.request_id].logprobs, solo.logprobs, atol=1e-5)
+
+
+def abort_after(eng, reqs, steps):
+    eng.submit(reqs)
+    finished = [r for _ in range(steps) for r in eng.step()]
+    return finished, eng.abort_all()
+
+
+def test_abort_returns_partial_results_and_resume_without_a_push_continues_the_same_stream():
+    reqs = requests(max_tokens=20)
+    full = {r.request_id: r for r in engine().generate(reqs)}
+    eng = engine()
+    finished, aborted = abort_after(eng, reqs, 4)
+    assert not eng.has_active() and len(finished) + len(aborted) == len(reqs)
+    for r in aborted:
+        assert r.finish_reason == "abort" and len(r.response_ids) == 4
+        assert np.array_equal(r.response_ids, full[r.request_id].response_ids[:4])
+    by_id = {r.request_id: r for r in reqs}
+    resumed = eng.generate([r.resume(by_id[r.request_id]) for r in aborted])
+    for r in resumed:
+        assert np.array_equal(r.response_ids, full[r.request_id].response_ids)
+        assert np.allclose(r.logprobs, full[r.request_id].logprobs, atol=1e-5)
+
+
+def test_resume_after_a_push_switches_versions_exactly_at_the_push():
+    reqs = requests(max_tokens=20)
+    eng = engine(seed=0, version=3)
+    _, aborted = abort_after(eng, reqs, 5)
+    assert aborted and all((a.versions == 3).all() for a in aborted)
+    eng.load_weights(export_buckets(model(1)), version=4)
+    by_id = {r.request_id: r for r in reqs}
+    resumed = eng.generate([a.resume(by_id[a.request_id]) for a in aborted])
+    for before, after in zip(aborted, resumed):
+        assert np.array_equal(after.response_ids[:5], before.response_ids)  # the partial part is kept as is
+        assert after.versions.tolist() == [3] * 5 + [4] * (len(after.response_ids) - 5)
+    # the new tokens' logprobs are those of the new weights, over the old prefix (re-prefilled, not a stale cache)
+    seq, logits = forward_logits(eng.model, [by_id[r.request_id] for r in resumed], resumed)
+    recomputed = seq.response_logprobs(logits)
+    assert torch.allclose(recomputed[:, 5:], padded(resumed, "logprobs")[:, 5:], atol=1e-5)
+
+
+def test_load_weights_while_active_raises():
+    eng = engine()
+    eng.submit(requests(n=2))
+    with pytest.raises(EngineError, match="abort or finish in-flight requests before a weight push"):
+        eng.load_weights(export_buckets(model(1)), version=1)
+    eng.step()
+    with pytest.raises(EngineError, match="abort or finish in-flight requests before a weight push"):
+        eng.load_weights(export_buckets(model(1)), version=1)
+    assert eng.version == 0
+
+
+def test_invalid_requests_say_what_to_do():
+    eng = engine()
+    with pytest.raises(EngineError, match="exceeds the model's max_position_embeddings \\(64\\)"):
+        eng.submit([GenerationRequest("long", TOK.encode("1+2="), max_tokens=61)])
+    with pytest.raises(EngineError, match="temperature > 0"):
+        eng.submit(requests(n=1, temperature=0.0))
+    eng.submit(requests(n=1))
+    with pytest.raises(EngineError, match="already in flight"):
+        eng.submit(requests(n=1))
+    with pytest.raises(EngineError, match="versions only grow"):
+        engine(version=2).load_weights(export_buckets(model(0)), version=1)
+
+
+def test_sleep_wake_and_discarded_weights():
+    eng = engine()
+    before = eng.generate(requests(n=4))
+    eng.sleep()
+    with pytest.raises(EngineError, match="asleep; call wake"):
+        eng.generate(requests(n=1))
+    eng.wake()
+    weights = export_buckets(eng.model)
+    eng.sleep(discard_weights=True)
+    assert all(p.numel() == 0 for p in eng.model.parameters())
+    eng.wake()
+    with pytest.raises(EngineError, match="push weights"):
+        eng.generate(requests(n=1))
+    eng.load_weights(weights, version=1)
+    after = eng.generate(requests(n=4))
+    assert all(np.array_equal(x.response_ids, y.response_ids) for x, y in zip(before, after))
+    assert (after[0].versions == 1).all()
+
+
+def test_resumed_requests_that_are_already_complete_finish_without_decoding():
+    eng = engine()
+    prompt = TOK.encode("1+2=")
+    full = GenerationRequest("full", prompt, 3, response_ids=[5, 6, 7], logprobs=[-1.0] * 3, versions=[0] * 3)
+    eos = TOK.eos_token_id
+    ended = GenerationRequest("ended", prompt, 9, response_ids=[5, eos], logprobs=[-1.0] * 2, versions=[0] * 2)
+    a, b = eng.generate([full, ended])
+    assert (a.finish_reason, b.finish_reason) == ("length", "stop")
+    assert a.response_ids.tolist() == [5, 6, 7] and b.response_ids.tolist() == [5, eos]
+    with pytest.raises(EngineError, match="as many logprobs and versions"):
+        eng.submit([GenerationRequest("bad", prompt, 9, response_ids=[5], logprobs=[], versions=[])])
