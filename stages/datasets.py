@@ -1,24 +1,18 @@
-"""Datasets: the finite text sets that prompts are drawn from (registry kind ``dataset``).
+"""Datasets: the finite text sets prompts are drawn from (registry kind ``dataset``).
 
-A dataset is a function ``fn(params, seed) -> pa.Table`` returning the whole set
-with string columns ``prompt``, ``ground_truth`` and ``data_source`` (the scorer
-route, see :mod:`rlpipe.stages.reward`). It is registered as a
-:class:`DatasetSpec` together with its pydantic params model, so the engine can
-validate ``data.params`` of a pipeline YAML before anything runs. Tokenization,
-shuffling and batching belong to the engine's data loader, not to datasets.
+A dataset is ``fn(params, seed) -> pa.Table``: the whole set, with string columns
+``prompt``, ``ground_truth`` and ``data_source`` (the scorer route, see
+:mod:`rlpipe.stages.reward`), registered as a :class:`DatasetSpec` with its params
+model so ``data.params`` of a YAML is validated before anything runs. Built-ins:
+``digits`` (a learnable toy task generated locally, the quickstart: ``"371="`` →
+``"2"``), ``jsonl`` / ``parquet`` (local files, configurable field names) and
+``gsm8k_sample`` (templated GSM8K-style word problems with integer answers,
+generated deterministically; ``pipelines/data/gsm8k_sample.jsonl`` holds 100, made by
+``python -c "from rlpipe.stages.datasets import *; write_jsonl(load_dataset('gsm8k_sample',
+{'size': 100}, 0), 'pipelines/data/gsm8k_sample.jsonl')"``).
 
-Built-ins:
-
-* ``digits`` — a learnable toy task generated locally (the quickstart): prompt
-  ``"371="`` → answer, e.g. the successor of the last digit, ``"2"``.
-* ``jsonl`` / ``parquet`` — local files with configurable field names.
-* ``gsm8k_sample`` — templated GSM8K-style word problems with integer answers,
-  generated deterministically (a stand-in for GSM8K that needs no download).
-  ``pipelines/data/gsm8k_sample.jsonl`` holds 100 of them, regenerated with
-  ``python -m rlpipe.stages.datasets gsm8k_sample pipelines/data/gsm8k_sample.jsonl --size 100``.
-
-Left out: streaming datasets larger than memory, remote stores (HF hub, S3),
-chat templates (a prompt is plain text here), multi-modal fields.
+Left out: tokenization, shuffling, batching (the engine's data loader), data larger
+than memory, remote stores (HF hub, S3), multi-modal fields.
 """
 
 from __future__ import annotations
@@ -41,7 +35,6 @@ from rlpipe.schemas.batch import DATA_SOURCE, GROUND_TRUTH
 PROMPT = "prompt"
 TEXT_COLUMNS = (PROMPT, GROUND_TRUTH, DATA_SOURCE)
 TEXT_SCHEMA = pa.schema([(name, pa.string()) for name in TEXT_COLUMNS])
-
 DATASETS = registry("dataset")
 
 
@@ -87,10 +80,8 @@ def validate_params(name: str, params: dict[str, Any] | BaseModel | None) -> Bas
     try:
         return spec.params_model.model_validate(dict(params or {}))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"data.params.{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']} (got {e.get('input')!r})"
-            for e in exc.errors()
-        )
+        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+                             for e in exc.errors())
         fields = ", ".join(spec.params_model.model_fields) or "(none)"
         raise ConfigError(f"invalid params for dataset {name!r}: {problems}. Its fields: {fields}") from None
 
@@ -116,19 +107,13 @@ def _table(prompts, answers, data_source: str | list[str]) -> pa.Table:
                      pa.array(sources, pa.string())], schema=TEXT_SCHEMA)
 
 
-# ---------------------------------------------------------------- digits (toy)
-
-DigitsTask = Literal["copy", "reverse", "successor", "last_digit_successor"]
-
-
 class DigitsParams(DatasetParams):
-    task: DigitsTask = "last_digit_successor"
-    """copy: "371=" → "371"; reverse: → "173"; successor: (x+1) mod 10^n, zero-padded → "372";
+    task: Literal["copy", "reverse", "successor", "last_digit_successor"] = "last_digit_successor"
+    """copy: "371=" → "371"; reverse: → "173"; successor: (x+1) mod 10^n zero-padded → "372";
     last_digit_successor: (last digit + 1) mod 10 → "2" (the easiest to learn from scratch).
-    In every task the answer is uniform over its strings when the prompt digits are, so no
-    constant answer scores above 0.1 in expectation (copy/reverse: each target position is
-    one uniform prompt digit; successor: x → x+1 mod 10^n is a bijection; last digit + 1: a
-    bijection of a uniform digit)."""
+    No constant answer scores above 0.1 in expectation: prompt digits are i.i.d. uniform and
+    each task maps them bijectively (copy/reverse: a target position is one prompt digit;
+    successor: x → x+1 mod 10^n; last digit → +1 mod 10), so each target digit is uniform."""
     num_digits: int = Field(3, ge=1, le=15)
     """Digits per prompt."""
     size: int = Field(2048, ge=1)
@@ -167,16 +152,13 @@ def digits(params: DigitsParams, seed: int) -> pa.Table:
     return _table(prompts.tolist(), answers.tolist(), "digits")
 
 
-# ---------------------------------------------------------------- local files
-
-
 class FileParams(DatasetParams):
     path: str | list[str]
     """Local file, or a list of files concatenated in order."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     answer_key: str = "ground_truth"
-    """Field holding the reference answer (numbers are converted to text)."""
+    """Field holding the reference answer (numbers become text; lists, e.g. unit tests, become JSON)."""
     data_source: str | None = None
     """Constant data_source for every row; None reads it from `data_source_key`."""
     data_source_key: str = "data_source"
@@ -202,11 +184,16 @@ def _paths(params: FileParams) -> list[Path]:
     return paths
 
 
-def _text(table: pa.Table, key: str, where: str) -> list:
+def _as_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value)
+
+
+def _text(table: pa.Table, key: str) -> list[str | None]:
+    """A field as text: strings as they are, numbers as written, lists/objects (e.g. unit tests) as JSON."""
     try:
         return table.column(key).cast(pa.string()).to_pylist()
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-        raise DatasetError(f"{where}: field {key!r} cannot be read as text ({exc}); it must hold strings or numbers") from None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return [_as_text(v) for v in table.column(key).to_pylist()]
 
 
 def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
@@ -218,41 +205,37 @@ def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
                                f"Set the matching *_key param{hint}")
     if params.limit:
         table = table.slice(0, params.limit)
-    prompts = _text(table, params.prompt_key, where)
-    if params.prompt_template != "{prompt}":
-        prompts = [params.prompt_template.format(prompt=p) if p is not None else None for p in prompts]
-    sources = params.data_source or _text(table, params.data_source_key, where)
-    return _table(prompts, _text(table, params.answer_key, where), sources)
+    prompts = [params.prompt_template.replace("{prompt}", p) if p is not None else p for p in _text(table, params.prompt_key)]
+    sources = params.data_source or _text(table, params.data_source_key)
+    return _table(prompts, _text(table, params.answer_key), sources)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{number}: not a JSON object; one object per line")
+        rows.extend([row] if row else [])
     return rows
 
 
 @dataset("jsonl", FileParams)
 def jsonl(params: FileParams, seed: int) -> pa.Table:
     paths = _paths(params)
-    where = ", ".join(map(str, paths))
-    try:
-        table = pa.Table.from_pylist([row for path in paths for row in _read_jsonl(path)])
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise DatasetError(f"{where}: rows do not share one type per field ({exc})") from None
-    return _from_records(table, params, where)
+    rows = [row for path in paths for row in _read_jsonl(path)]
+    keys = dict.fromkeys(key for row in rows for key in row)
+    table = pa.table({key: pa.array([_as_text(row.get(key)) for row in rows], pa.string()) for key in keys})
+    return _from_records(table, params, str(params.path))
 
 
 @dataset("parquet", FileParams)
 def parquet(params: FileParams, seed: int) -> pa.Table:
-    paths = _paths(params)
-    tables = [pq.read_table(path) for path in paths]
-    return _from_records(pa.concat_tables(tables, promote_options="permissive"), params, ", ".join(map(str, paths)))
+    tables = [pq.read_table(path) for path in _paths(params)]
+    return _from_records(pa.concat_tables(tables, promote_options="permissive"), params, str(params.path))
 
 
 def write_jsonl(table: pa.Table, path: str | Path) -> None:
@@ -263,8 +246,6 @@ def write_jsonl(table: pa.Table, path: str | Path) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-# ---------------------------------------------------------------- gsm8k_sample
-
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jia", "Kofi", "Lena")
 _ITEMS = ("apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "cards")
@@ -273,9 +254,7 @@ _ITEMS = ("apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shel
 def _problem(rng: random.Random) -> tuple[str, int]:
     """One templated word problem and its integer answer."""
     name, other = rng.sample(_NAMES, 2)
-    item = rng.choice(_ITEMS)
-    r = rng.randint
-    kind = r(0, 7)
+    item, r, kind = rng.choice(_ITEMS), rng.randint, rng.randint(0, 7)
     if kind == 0:
         a, b, c = r(2, 30), r(2, 9), r(2, 12)
         return f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} each. How many {item} does {name} have now?", a + b * c
@@ -283,22 +262,18 @@ def _problem(rng: random.Random) -> tuple[str, int]:
         a, b, c = r(8, 30), r(2, 10), r(2, 7)
         return f"{name} earns ${a} per hour and works {b} hours a day for {c} days. How many dollars does {name} earn?", a * b * c
     if kind == 2:
-        b, c, d = r(3, 20), r(1, 10), r(2, 7)
-        a = b + c + r(1, 30)
-        return (f"A baker makes {a} muffins every day. She sells {b} of them and gives {c} to neighbors. "
-                f"How many muffins are left over after {d} days?"), (a - b - c) * d
+        b, c, d, left = r(3, 20), r(1, 10), r(2, 7), r(1, 30)
+        return (f"A baker makes {b + c + left} muffins every day. She sells {b} of them and gives {c} to neighbors. "
+                f"How many muffins are left over after {d} days?"), left * d
     if kind == 3:
         a, k = r(5, 40), r(3, 20)
         return f"{name} reads {a} pages a day. The book has {a * k} pages. How many days does {name} need to finish it?", k
     if kind == 4:
         half, b = r(10, 60), r(1, 9)
-        return (f"{name} had ${2 * half}. {name} spent half of it on {item} and then ${b} on lunch. "
-                f"How many dollars does {name} have left?"), half - b
+        return f"{name} had ${2 * half}. {name} spent half of it on {item} and then ${b} on lunch. How many dollars are left?", half - b
     if kind == 5:
-        a, b = r(3, 15), r(4, 12)
-        c = r(1, a * b - 1)
-        return (f"A hall has {a} rows of chairs with {b} chairs in each row. {c} chairs are broken. "
-                f"How many chairs can be used?"), a * b - c
+        a, b, c = r(3, 15), r(4, 12), r(1, 40)
+        return f"A hall has {a} rows of {b} chairs. {c} more chairs are brought in. How many chairs are there in total?", a * b + c
     if kind == 6:
         a, b = r(4, 20), r(1, 15)
         return f"{name} is {a} years old. {other} is {b} years older than twice {name}'s age. How old is {other}?", 2 * a + b
@@ -322,25 +297,3 @@ def gsm8k_sample(params: Gsm8kSampleParams, seed: int) -> pa.Table:
     problems = [_problem(rng) for _ in range(params.size)]
     prompts = [f"{q} {params.instruction}".strip() for q, _ in problems]
     return _table(prompts, [str(a) for _, a in problems], "gsm8k")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m rlpipe.stages.datasets NAME OUT.jsonl [--size N] [--seed S]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Write a registered dataset to a JSONL file.")
-    parser.add_argument("name")
-    parser.add_argument("out")
-    parser.add_argument("--size", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    write_jsonl(load_dataset(args.name, {"size": args.size}, args.seed), args.out)
-
-
-if __name__ == "__main__":
-    import sys
-
-    # Run as a script, this module is `__main__`; alias it so the registry's import of
-    # rlpipe.stages.datasets finds it instead of registering every dataset a second time.
-    sys.modules.setdefault("rlpipe.stages.datasets", sys.modules[__name__])
-    main()

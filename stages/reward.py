@@ -1,1 +1,166 @@
-"""(to be written)"""
+"""The ``reward`` stage, impl ``rule``: rule-based scores routed by ``data_source``.
+
+Every row goes to one scorer (:mod:`rlpipe.stages.scorers`): ``routes`` maps a
+data_source to a scorer name, a data_source that is itself a scorer name uses that
+scorer, anything else uses ``default_scorer`` or is an error. Rows are scored one
+scorer at a time (each scorer sees all of its rows at once, so it can vectorize or
+fan out). The sequence score is written as ``reward`` and placed on the last
+``response_mask == 1`` token as ``token_rewards`` (verl's reward placement).
+
+Rows whose scorer reports an infrastructure failure (:class:`ScorerInfraError`)
+get ``status = "failed"`` and reward 0: downstream they are excluded from group
+filtering and advantages instead of being taught as wrong. Rows already failed
+are not scored. Other statuses (ok, truncated) are scored as they are.
+
+Left out: a ``weighted`` impl combining rule, discriminative-RM and
+generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
+columns), overlong penalties for truncated rows, and re-decoding only the
+``response_mask == 1`` tokens: rule scorers read ``response_text`` as the generate
+stage decoded it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import ConfigDict, Field, model_validator
+
+from rlpipe.errors import ConfigError
+from rlpipe.jagged import last_token_placement
+from rlpipe.schemas.batch import (
+    DATA_SOURCE,
+    GROUND_TRUTH,
+    RESPONSE_MASK,
+    RESPONSE_TEXT,
+    REWARD,
+    STATUS,
+    STATUS_FAILED,
+    TOKEN_REWARDS,
+)
+from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError
+
+
+class RuleRewardParams(StageParams):
+    """Routing of rows to rule-based scorers."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    routes: dict[str, str] = Field(default_factory=dict)
+    """data_source → scorer name, e.g. {gsm8k: math, humaneval: code}. A data_source not listed
+    here uses the scorer of the same name."""
+    default_scorer: str | None = None
+    """Scorer for data_sources that are neither routed nor a scorer name; None makes them an error."""
+    scorer_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Keyword options per scorer name, e.g. {code: {timeout_s: 10, memory_mb: 2048}}."""
+
+    @model_validator(mode="after")
+    def _scorers_exist(self) -> "RuleRewardParams":
+        names = set(self.routes.values()) | set(self.scorer_params) | ({self.default_scorer} - {None})
+        for name in sorted(names):
+            if name not in SCORERS:
+                raise ValueError(f"unknown scorer {name!r}; known scorers: {', '.join(SCORERS.names())}")
+        for name, options in self.scorer_params.items():
+            try:
+                inspect.signature(SCORERS.get(name)).bind([], [], **options)
+            except TypeError as exc:
+                raise ValueError(f"scorer_params.{name}: {exc}; see the scorer's keyword options") from None
+        return self
+
+
+def resolve_routes(data_sources: list[str], params: RuleRewardParams) -> dict[str, str]:
+    """data_source → scorer name for every data_source present; an unroutable one raises."""
+    out, unknown = {}, []
+    for source in data_sources:
+        name = params.routes.get(source) or (source if source in SCORERS else params.default_scorer)
+        if name is None:
+            unknown.append(source)
+        out[source] = name
+    if unknown:
+        raise ConfigError(
+            f"no scorer for data_source(s) {unknown}: map them in reward params `routes` "
+            f"(e.g. routes: {{{unknown[0]}: exact_match}}) or set `default_scorer`. "
+            f"Known scorers: {', '.join(SCORERS.names())}; data_sources in this batch: {sorted(data_sources)}"
+        )
+    return out
+
+
+def _checked(name: str, scores: Any, n: int) -> np.ndarray:
+    scores = np.asarray(scores, dtype=np.float32)
+    if scores.shape != (n,) or not np.isfinite(scores).all() or scores.min(initial=0) < 0 or scores.max(initial=0) > 1:
+        raise ScorerError(f"scorer {name!r} must return {n} finite scores in [0, 1]; got shape {scores.shape}, "
+                          f"range [{np.nanmin(scores, initial=0):g}, {np.nanmax(scores, initial=0):g}]")
+    return scores
+
+
+def score_rows(responses: pa.Array, truths: pa.Array, name: str, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, infra_failed) of one scorer over its rows; infra-failed rows score 0."""
+    n = len(responses)
+    failed = np.zeros(n, dtype=bool)
+    try:
+        scores = SCORERS.get(name)(responses, truths, **options)
+    except ScorerInfraError as exc:
+        failed[np.arange(n) if exc.failed is None else exc.failed] = True
+        scores = np.zeros(n, np.float32) if exc.scores is None else exc.scores
+    scores = _checked(name, scores, n).copy()
+    scores[failed] = 0.0
+    return scores, failed
+
+
+def _metric_name(source: str) -> str:
+    return re.sub(r"[^\w.\-]", "_", source) or "_"
+
+
+@stage(
+    "reward",
+    "rule",
+    reads=cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS),
+    writes=cols(REWARD, TOKEN_REWARDS, STATUS),
+    params=RuleRewardParams,
+)
+def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) -> StageResult:
+    n = batch.num_rows
+    encoded = pc.fill_null(batch.column(DATA_SOURCE), "").combine_chunks().dictionary_encode()
+    sources = encoded.dictionary.to_pylist()
+    source_of_row = encoded.indices.to_numpy(zero_copy_only=False)
+    route = resolve_routes(sources, params)
+    scorer_of_source = np.array([route[s] for s in sources] or [""], dtype=object)
+    scorer_of_row = scorer_of_source[source_of_row] if n else np.array([], dtype=object)
+
+    status = batch.column(STATUS)
+    skipped = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False)
+    responses, truths = batch.column(RESPONSE_TEXT), batch.column(GROUND_TRUTH)
+    scores = np.zeros(n, dtype=np.float32)
+    infra = np.zeros(n, dtype=bool)
+    for name in sorted(set(route.values())):
+        rows = np.flatnonzero((scorer_of_row == name) & ~skipped)
+        if rows.size:
+            scores[rows], infra[rows] = score_rows(
+                responses.take(rows), truths.take(rows), name, params.scorer_params.get(name, {})
+            )
+
+    new_status = pc.if_else(pa.array(infra), pa.scalar(STATUS_FAILED), status)
+    columns = {
+        REWARD: pa.array(scores, pa.float32()),
+        TOKEN_REWARDS: last_token_placement(scores, batch.column(RESPONSE_MASK)),
+        STATUS: new_status.combine_chunks() if isinstance(new_status, pa.ChunkedArray) else new_status,
+    }
+    return StageResult(columns=columns, metrics=_metrics(scores, ~skipped & ~infra, source_of_row, sources, infra))
+
+
+def _metrics(scores, valid, source_of_row, sources, infra) -> dict[str, float]:
+    metrics = {"reward/infra_failures": float(infra.sum())}
+    if valid.any():
+        s = scores[valid]
+        metrics.update({"reward/mean": float(s.mean()), "reward/std": float(s.std()),
+                        "reward/max": float(s.max()), "reward/min": float(s.min())})
+    for index, source in enumerate(sources):
+        rows = valid & (source_of_row == index)
+        if rows.any():
+            metrics[f"reward/{_metric_name(source)}/mean"] = float(scores[rows].mean())
+    return metrics

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 # Two cores: one intra-op thread per process avoids oversubscription (seconds → milliseconds).
 torch.set_num_threads(1)
@@ -25,3 +28,52 @@ def ray_session():
     init_ray(None, 2)
     yield ray
     ray.shutdown()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quickstart_raw(**changes) -> dict:
+    """The quickstart pipeline as a raw dict, with top-level sections updated from ``changes``."""
+    raw = yaml.safe_load((ROOT / "pipelines" / "quickstart.yaml").read_text())
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    return raw
+
+
+@dataclass
+class TrackedRun:
+    """A real run (Ray + MLflow) shared by the end-to-end and notebook tests."""
+
+    tracking_uri: str
+    run_id: str
+    result: object
+    config: object
+    workdir: Path
+
+
+@pytest.fixture(scope="session")
+def sync_run(ray_session, tmp_path_factory) -> TrackedRun:
+    """3 steps of the quickstart on Ray: 2 data-parallel trainer ranks, a reference model with a KL loss."""
+    from rlpipe.engine.config_io import validate_config
+    from rlpipe.engine.runtime import run_pipeline
+
+    workdir = tmp_path_factory.mktemp("sync_run")
+    uri = f"sqlite:///{workdir}/mlflow.db"
+    raw = quickstart_raw(
+        name="e2e-sync",
+        data={"prompts_per_step": 8},
+        trainer={"total_steps": 3, "dp_size": 2, "output_dir": str(workdir / "outputs"), "save_every": 2},
+        tracking={"uri": uri, "experiment": "rlpipe-e2e", "sample_trajectories": 4},
+    )
+    stages = [s for s in raw["stages"] if s["kind"] != "update"]
+    stages.append({"kind": "ref", "impl": "reference"})
+    stages.append({"kind": "update", "impl": "ppo", "params": {"use_kl_loss": True, "kl_loss_coef": 0.01}})
+    raw["stages"] = stages
+    config = validate_config(raw)
+    yaml_text = yaml.safe_dump(raw)
+    result = run_pipeline(config, yaml_text)
+    return TrackedRun(uri, result.run_id, result, config, workdir)

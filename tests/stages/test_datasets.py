@@ -1,0 +1,147 @@
+"""Datasets: registry, the learnable digits task, local files, the GSM8K-style sample."""
+
+import json
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlpipe.errors import ConfigError, RegistryError
+from rlpipe.stages.datasets import (
+    TEXT_SCHEMA,
+    DatasetError,
+    DatasetSpec,
+    DigitsParams,
+    dataset_spec,
+    digits_answers,
+    load_dataset,
+)
+from rlpipe.stages.scorers import digits as digits_score, math_answer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_builtins_registered_with_params_models():
+    for name in ("digits", "jsonl", "parquet", "gsm8k_sample"):
+        spec = dataset_spec(name)
+        assert isinstance(spec, DatasetSpec) and spec.name == name
+    assert dataset_spec("digits").params_model is DigitsParams
+    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: digits, gsm8k_sample, jsonl, parquet"):
+        dataset_spec("nope")
+
+
+def test_digits_answers_by_hand():
+    d = np.array([[3, 7, 1], [9, 9, 9], [0, 0, 9]])
+    assert digits_answers(d, "copy").tolist() == [[3, 7, 1], [9, 9, 9], [0, 0, 9]]
+    assert digits_answers(d, "reverse").tolist() == [[1, 7, 3], [9, 9, 9], [9, 0, 0]]
+    assert digits_answers(d, "successor").tolist() == [[3, 7, 2], [0, 0, 0], [0, 1, 0]]
+    assert digits_answers(d, "last_digit_successor").tolist() == [[2], [0], [0]]
+
+
+@pytest.mark.parametrize("task", ["copy", "reverse", "successor", "last_digit_successor"])
+def test_digits_table(task):
+    table = load_dataset("digits", {"task": task, "num_digits": 3, "size": 64}, seed=1)
+    assert table.schema == TEXT_SCHEMA and table.num_rows == 64
+    rows = table.to_pylist()
+    for row in rows:
+        prompt, answer = row["prompt"], row["ground_truth"]
+        assert len(prompt) == 4 and prompt.endswith("=") and prompt[:3].isdigit() and answer.isdigit()
+        expected = {"copy": prompt[:3], "reverse": prompt[2::-1], "successor": f"{(int(prompt[:3]) + 1) % 1000:03d}",
+                    "last_digit_successor": str((int(prompt[2]) + 1) % 10)}[task]
+        assert answer == expected
+    assert {r["data_source"] for r in rows} == {"digits"}
+    assert load_dataset("digits", {"task": task, "size": 64}, seed=1).equals(load_dataset("digits", {"task": task, "size": 64}, seed=1))
+    assert not load_dataset("digits", {"size": 64}, seed=1).equals(load_dataset("digits", {"size": 64}, seed=2))
+    # an explicit generator seed overrides the run seed
+    assert load_dataset("digits", {"size": 64, "seed": 7}, seed=1).equals(load_dataset("digits", {"size": 64, "seed": 7}, seed=2))
+
+
+@pytest.mark.parametrize("task,num_digits", [(t, n) for t in ("copy", "reverse", "successor") for n in (1, 2)]
+                         + [("reverse", 3), ("last_digit_successor", 1), ("last_digit_successor", 3)])
+def test_no_constant_answer_scores_above_half(task, num_digits):
+    """Brute force over every constant answer of the target's length (the learnable tasks must depend on the prompt)."""
+    table = load_dataset("digits", {"task": task, "num_digits": num_digits, "size": 512}, seed=0)
+    truths = table.column("ground_truth")
+    width = len(truths[0].as_py())
+    best = max(float(digits_score(["".join(c)] * len(truths), truths).mean()) for c in product("0123456789", repeat=width))
+    assert best < 0.2  # expectation 0.1; the bound the task promises is 0.5
+
+
+def test_digits_params_errors_name_the_dataset_and_field():
+    with pytest.raises(ConfigError, match=r"dataset 'digits': data\.params\.task: Input should be"):
+        load_dataset("digits", {"task": "multiply"}, 0)
+    with pytest.raises(ConfigError, match=r"data\.params\.sise: Extra inputs are not permitted.*Its fields: task, num_digits, size, seed"):
+        load_dataset("digits", {"sise": 3}, 0)
+    with pytest.raises(ConfigError, match=r"data\.params\.num_digits: Input should be greater than or equal to 1"):
+        load_dataset("digits", {"num_digits": 0}, 0)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [{"question": "1+1?", "answer": 2, "src": "math"}, {"question": "2+3?", "answer": "5", "src": "gsm8k"}]
+
+
+def test_jsonl_with_custom_fields(tmp_path):
+    rows = [dict(r, answer=str(r["answer"])) for r in ROWS]
+    path = _write_jsonl(tmp_path / "a.jsonl", rows)
+    params = {"path": path, "prompt_key": "question", "answer_key": "answer", "data_source_key": "src"}
+    table = load_dataset("jsonl", params, 0)
+    assert table.to_pylist() == [{"prompt": "1+1?", "ground_truth": "2", "data_source": "math"},
+                                 {"prompt": "2+3?", "ground_truth": "5", "data_source": "gsm8k"}]
+    constant = load_dataset("jsonl", dict(params, data_source="mine", prompt_template="Q: {prompt} \\boxed{}", limit=1), 0)
+    assert constant.to_pylist() == [{"prompt": "Q: 1+1? \\boxed{}", "ground_truth": "2", "data_source": "mine"}]
+    two = load_dataset("jsonl", dict(params, path=[path, path]), 0)
+    assert two.num_rows == 4
+
+
+def test_numbers_become_text(tmp_path):
+    path = _write_jsonl(tmp_path / "n.jsonl", [{"prompt": "p", "ground_truth": 3, "data_source": "x"}])
+    assert load_dataset("jsonl", {"path": path}, 0).column("ground_truth").to_pylist() == ["3"]
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file '.*missing.jsonl' does not exist.*fix data.params.path"):
+        load_dataset("jsonl", {"path": str(tmp_path / "missing.jsonl")}, 0)
+    path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
+    with pytest.raises(DatasetError, match=r"has no field 'prompt'; fields: \['question', 'answer', 'src'\]"):
+        load_dataset("jsonl", {"path": path}, 0)
+    with pytest.raises(DatasetError, match=r"no field 'data_source'.*or set data.params.data_source to a constant"):
+        load_dataset("jsonl", {"path": path, "prompt_key": "question", "answer_key": "answer"}, 0)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DatasetError, match=r"bad.jsonl:2: not valid JSON"):
+        load_dataset("jsonl", {"path": str(bad)}, 0)
+    with pytest.raises(ConfigError, match=r"prompt_template must contain"):
+        load_dataset("jsonl", {"path": path, "prompt_template": "no slot"}, 0)
+
+
+def test_parquet(tmp_path):
+    table = pa.table({"q": ["a", "b"], "ground_truth": ["1", "2"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    out = load_dataset("parquet", {"path": str(tmp_path / "d.parquet"), "prompt_key": "q", "data_source": "exact_match"}, 0)
+    assert out.to_pylist() == [{"prompt": "a", "ground_truth": "1", "data_source": "exact_match"},
+                               {"prompt": "b", "ground_truth": "2", "data_source": "exact_match"}]
+    with pytest.raises(DatasetError, match="has no field 'answer'"):
+        load_dataset("parquet", {"path": str(tmp_path / "d.parquet"), "prompt_key": "q", "answer_key": "answer"}, 0)
+
+
+def test_gsm8k_sample_is_deterministic_and_self_consistent():
+    table = load_dataset("gsm8k_sample", {}, seed=123)
+    assert table.num_rows == 500 and set(table.column("data_source").to_pylist()) == {"gsm8k"}
+    assert table.equals(load_dataset("gsm8k_sample", {}, seed=0))  # fixed generator seed: a fixed dataset
+    truths = table.column("ground_truth").to_pylist()
+    assert all(t.isdigit() and int(t) > 0 for t in truths)
+    assert len(set(table.column("prompt").to_pylist())) > 450
+    assert all(p.endswith('output the final answer after "####".') for p in table.column("prompt").to_pylist()[:5])
+    assert math_answer([f"so #### {t}" for t in truths[:20]], truths[:20]).tolist() == [1.0] * 20
+
+
+def test_shipped_gsm8k_sample_file_matches_the_generator():
+    shipped = load_dataset("jsonl", {"path": str(REPO / "pipelines/data/gsm8k_sample.jsonl")}, 0)
+    assert shipped.equals(load_dataset("gsm8k_sample", {"size": 100}, 0))
