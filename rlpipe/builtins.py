@@ -11,6 +11,7 @@ import rlpipe.stages.weight_sync  # noqa: F401
 import rlpipe.stages.filter_groups  # noqa: F401
 import rlpipe.stages.rollout_correction  # noqa: F401
 import rlpipe.stages.critic  # noqa: F401
+import rlpipe.stages.staleness_guard  # noqa: F401
 
 # RL math registries (advantage_estimator, policy_loss, kl_penalty ...).
 import rlpipe.stages.algos.advantages  # noqa: F401
@@ -22,4 +23,5 @@ import rlpipe.stages.scorers  # noqa: F401
 
 # Engine parts: worker roles and modes.
 import rlpipe.engine.workers  # noqa: F401
+import rlpipe.engine.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401

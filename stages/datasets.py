@@ -205,7 +205,7 @@ def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
                                f"Set the matching *_key param{hint}")
     if params.limit:
         table = table.slice(0, params.limit)
-    prompts = [params.prompt_template.replace("{prompt}", p) if p is not None else p for p in _text(table, params.prompt_key)]
+    prompts = [p if p is None else params.prompt_template.replace("{prompt}", p) for p in _text(table, params.prompt_key)]
     sources = params.data_source or _text(table, params.data_source_key)
     return _table(prompts, _text(table, params.answer_key), sources)
 
@@ -257,26 +257,26 @@ def _problem(rng: random.Random) -> tuple[str, int]:
     item, r, kind = rng.choice(_ITEMS), rng.randint, rng.randint(0, 7)
     if kind == 0:
         a, b, c = r(2, 30), r(2, 9), r(2, 12)
-        return f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} each. How many {item} does {name} have now?", a + b * c
+        return f"{name} has {a} {item} and buys {b} packs of {c} {item}. How many {item} does {name} have now?", a + b * c
     if kind == 1:
         a, b, c = r(8, 30), r(2, 10), r(2, 7)
-        return f"{name} earns ${a} per hour and works {b} hours a day for {c} days. How many dollars does {name} earn?", a * b * c
+        return f"{name} earns ${a} an hour and works {b} hours a day for {c} days. How many dollars is that?", a * b * c
     if kind == 2:
         b, c, d, left = r(3, 20), r(1, 10), r(2, 7), r(1, 30)
         return (f"A baker makes {b + c + left} muffins every day. She sells {b} of them and gives {c} to neighbors. "
                 f"How many muffins are left over after {d} days?"), left * d
     if kind == 3:
         a, k = r(5, 40), r(3, 20)
-        return f"{name} reads {a} pages a day. The book has {a * k} pages. How many days does {name} need to finish it?", k
+        return f"{name} reads {a} pages a day. How many days does a book of {a * k} pages take {name}?", k
     if kind == 4:
         half, b = r(10, 60), r(1, 9)
-        return f"{name} had ${2 * half}. {name} spent half of it on {item} and then ${b} on lunch. How many dollars are left?", half - b
+        return f"{name} had ${2 * half}, spent half of it on {item}, then ${b} on lunch. How many dollars are left?", half - b
     if kind == 5:
         a, b, c = r(3, 15), r(4, 12), r(1, 40)
-        return f"A hall has {a} rows of {b} chairs. {c} more chairs are brought in. How many chairs are there in total?", a * b + c
+        return f"A hall has {a} rows of {b} chairs. {c} more chairs are brought in. How many chairs are there now?", a * b + c
     if kind == 6:
         a, b = r(4, 20), r(1, 15)
-        return f"{name} is {a} years old. {other} is {b} years older than twice {name}'s age. How old is {other}?", 2 * a + b
+        return f"{name} is {a}. {other} is {b} years older than twice {name}'s age. How old is {other}?", 2 * a + b
     a, b, c, d = r(1, 5), r(2, 9), r(2, 12), r(1, 6)
     return (f"A store sells pencils for ${a} each and notebooks for ${b} each. {name} buys {c} pencils and "
             f"{d} notebooks. How many dollars does {name} spend?"), a * c + b * d

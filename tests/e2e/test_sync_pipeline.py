@@ -75,3 +75,26 @@ def test_sampled_trajectories_logged_as_parquet(sync_run):
     table = runs.trajectories(sync_run.run_id, 2, sync_run.tracking_uri)
     assert table.num_rows == 4
     assert {"response_ids", "token_versions", "reward", "advantages"} <= set(table.column_names)
+
+
+def test_two_ray_dp_ranks_compute_the_single_process_gradient(sync_run, tmp_path):
+    """Step 0 of the Ray run (2 gloo ranks, balance-sharded) vs the same config inline with 1 rank."""
+    from rlpipe.engine.runtime import run_pipeline
+
+    config = sync_run.config.model_copy(deep=True)
+    config.trainer.dp_size = 1
+    config.trainer.total_steps = 1
+    config.trainer.output_dir = str(tmp_path)
+    config.tracking.enabled = False
+    seen = {}
+    run_pipeline(config, "", on_step=lambda step, m: seen.update(m), inline=True)
+    client = MlflowClient(sync_run.tracking_uri)
+    children = runs.node_runs(sync_run.run_id, sync_run.tracking_uri)
+
+    def step0(node, key):
+        return next(m.value for m in client.get_metric_history(children[node].info.run_id, key) if m.step == 0)
+
+    # identical generation (before any update), then the same gradient from 2 ranks as from 1
+    assert step0("reward", "reward/mean") == pytest.approx(seen["reward/mean"], abs=1e-6)
+    assert step0("update", "actor/grad_norm") == pytest.approx(seen["actor/grad_norm"], rel=1e-4)
+    assert step0("update", "actor/pg_loss") == pytest.approx(seen["actor/pg_loss"], rel=1e-4, abs=1e-7)

@@ -84,7 +84,9 @@ def test_stage_counts_prompt_and_response_tokens():
                               "balance/imbalance": pytest.approx(38 / 37)}
     none = balance_none(table, NoParams(), StageContext(step=0, seed=0, dp_size=2))
     assert none.columns["dp_rank"].to_pylist() == [0, 1, 0, 1, 0, 1]
-    assert none.metrics["balance/max_tokens_per_rank"] == 56.0 and none.metrics["balance/imbalance"] == pytest.approx(56 / 37)
+    # rows 0, 2, 4 = 32 + 3 + 12 on rank 0
+    assert none.metrics["balance/max_tokens_per_rank"] == 47.0
+    assert none.metrics["balance/imbalance"] == pytest.approx(47 / 37)
 
 
 def test_single_rank_and_empty_batch():

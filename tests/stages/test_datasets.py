@@ -53,10 +53,11 @@ def test_digits_table(task):
                     "last_digit_successor": str((int(prompt[2]) + 1) % 10)}[task]
         assert answer == expected
     assert {r["data_source"] for r in rows} == {"digits"}
-    assert load_dataset("digits", {"task": task, "size": 64}, seed=1).equals(load_dataset("digits", {"task": task, "size": 64}, seed=1))
-    assert not load_dataset("digits", {"size": 64}, seed=1).equals(load_dataset("digits", {"size": 64}, seed=2))
-    # an explicit generator seed overrides the run seed
-    assert load_dataset("digits", {"size": 64, "seed": 7}, seed=1).equals(load_dataset("digits", {"size": 64, "seed": 7}, seed=2))
+    same = {"task": task, "size": 64}
+    assert load_dataset("digits", same, seed=1).equals(load_dataset("digits", same, seed=1))
+    assert not load_dataset("digits", same, seed=1).equals(load_dataset("digits", same, seed=2))
+    fixed = {"size": 64, "seed": 7}  # an explicit generator seed overrides the run seed
+    assert load_dataset("digits", fixed, seed=1).equals(load_dataset("digits", fixed, seed=2))
 
 
 @pytest.mark.parametrize("task,num_digits", [(t, n) for t in ("copy", "reverse", "successor") for n in (1, 2)]
@@ -66,14 +67,15 @@ def test_no_constant_answer_scores_above_half(task, num_digits):
     table = load_dataset("digits", {"task": task, "num_digits": num_digits, "size": 512}, seed=0)
     truths = table.column("ground_truth")
     width = len(truths[0].as_py())
-    best = max(float(digits_score(["".join(c)] * len(truths), truths).mean()) for c in product("0123456789", repeat=width))
+    constants = ("".join(c) for c in product("0123456789", repeat=width))
+    best = max(float(digits_score([c] * len(truths), truths).mean()) for c in constants)
     assert best < 0.2  # expectation 0.1; the bound the task promises is 0.5
 
 
 def test_digits_params_errors_name_the_dataset_and_field():
     with pytest.raises(ConfigError, match=r"dataset 'digits': data\.params\.task: Input should be"):
         load_dataset("digits", {"task": "multiply"}, 0)
-    with pytest.raises(ConfigError, match=r"data\.params\.sise: Extra inputs are not permitted.*Its fields: task, num_digits, size, seed"):
+    with pytest.raises(ConfigError, match=r"params\.sise: Extra inputs are not permitted.*Its fields: task, num_digits, size"):
         load_dataset("digits", {"sise": 3}, 0)
     with pytest.raises(ConfigError, match=r"data\.params\.num_digits: Input should be greater than or equal to 1"):
         load_dataset("digits", {"num_digits": 0}, 0)
@@ -94,7 +96,8 @@ def test_jsonl_with_custom_fields(tmp_path):
     table = load_dataset("jsonl", params, 0)
     assert table.to_pylist() == [{"prompt": "1+1?", "ground_truth": "2", "data_source": "math"},
                                  {"prompt": "2+3?", "ground_truth": "5", "data_source": "gsm8k"}]
-    constant = load_dataset("jsonl", dict(params, data_source="mine", prompt_template="Q: {prompt} \\boxed{}", limit=1), 0)
+    constant = load_dataset("jsonl", dict(params, data_source="mine", prompt_template="Q: {prompt} \\boxed{}", limit=1),
+                            0)
     assert constant.to_pylist() == [{"prompt": "Q: 1+1? \\boxed{}", "ground_truth": "2", "data_source": "mine"}]
     two = load_dataset("jsonl", dict(params, path=[path, path]), 0)
     assert two.num_rows == 4
@@ -124,7 +127,8 @@ def test_file_errors(tmp_path):
 def test_parquet(tmp_path):
     table = pa.table({"q": ["a", "b"], "ground_truth": ["1", "2"]})
     pq.write_table(table, tmp_path / "d.parquet")
-    out = load_dataset("parquet", {"path": str(tmp_path / "d.parquet"), "prompt_key": "q", "data_source": "exact_match"}, 0)
+    params = {"path": str(tmp_path / "d.parquet"), "prompt_key": "q", "data_source": "exact_match"}
+    out = load_dataset("parquet", params, 0)
     assert out.to_pylist() == [{"prompt": "a", "ground_truth": "1", "data_source": "exact_match"},
                                {"prompt": "b", "ground_truth": "2", "data_source": "exact_match"}]
     with pytest.raises(DatasetError, match="has no field 'answer'"):

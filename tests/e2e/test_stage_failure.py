@@ -1,0 +1,53 @@
+"""A stage failing mid-run: the error names kind, impl and step; nothing produced so far is lost."""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rlpipe.engine import runs
+from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.runtime import run_pipeline
+from rlpipe.errors import StageError
+from rlpipe.stage import stage
+from rlpipe.stages.weight_sync import WeightSyncParams, push_weights
+
+from conftest import quickstart_raw
+
+pytestmark = pytest.mark.e2e
+
+
+# A driver stage runs in this process, so a test can register it; it fails at step 1.
+@stage("weight_sync", "breaks_at_step_1", placement="driver", params=WeightSyncParams, reads={}, writes={})
+def breaks_at_step_1(batch, params, ctx):
+    if ctx.step == 1:
+        raise ConnectionError("transport to the rollout engine lost")
+    return push_weights(batch, params, ctx)
+
+
+def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    raw = quickstart_raw(
+        name="e2e-failure", data={"prompts_per_step": 4},
+        trainer={"total_steps": 3, "output_dir": str(tmp_path / "out")},
+        tracking={"uri": uri, "experiment": "rlpipe-failure"},
+    )
+    raw["stages"] = [
+        {**s, "impl": "breaks_at_step_1"} if s["kind"] == "weight_sync" else s for s in raw["stages"]
+    ]
+    with pytest.raises(StageError) as info:
+        run_pipeline(validate_config(raw), "name: e2e-failure\n")
+    err = info.value
+    assert (err.kind, err.impl, err.step) == ("weight_sync", "breaks_at_step_1", 1)
+    assert "transport to the rollout engine lost" in str(err)
+
+    run = runs.latest_run(uri, "rlpipe-failure")
+    assert run.info.status == "FAILED"
+    client = MlflowClient(uri)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [0]
+    lineage = runs.lineage_table(run.info.run_id, uri).to_pylist()
+    # all 7 nodes of step 0 and the 6 nodes of step 1 that ran before the failure
+    assert [r["step"] for r in lineage].count(0) == 7
+    assert [r["node"] for r in lineage if r["step"] == 1] == [
+        "generate", "reward", "balance", "old_log_prob", "advantage", "update",
+    ]

@@ -1,0 +1,156 @@
+"""old_log_prob/trainer, old_log_prob/bypass and ref/reference against a direct per-row forward.
+
+The reference value of every token is computed here without padding: each row's
+prompt + response runs alone through the model, and the log-softmax of the
+logits that predict response token j (position P - 1 + j) is gathered at that
+token. The stages pad, micro-batch and slice; their results must not move.
+"""
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlpipe.engine.train_state import TrainState
+from rlpipe.engine.workers import ReferenceState
+from rlpipe.errors import BatchError, StageError
+from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, PipelineConfig, TokenizerConfig, TrainerConfig
+from rlpipe.stage import StageContext, stage_registry
+from rlpipe.engine.ray_runtime import _run_stage
+
+I32, I8, F32 = pa.list_(pa.int32()), pa.list_(pa.int8()), pa.list_(pa.float32())
+PROMPTS = [[5, 6], [7, 8, 9, 10, 11], [12, 13, 4]]
+RESPONSES = [[6, 7, 8, 9], [4], [10, 14, 5]]
+MASKS = [[1, 1, 1, 0], [1], [1, 0, 1]]
+
+
+def config(micro_batch_size: int = 64) -> PipelineConfig:
+    arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                              max_position_embeddings=64)
+    return PipelineConfig(model=ModelConfig(architecture=arch), tokenizer=TokenizerConfig(chars="0123456789="),
+                          trainer=TrainerConfig(micro_batch_size=micro_batch_size), stages=[])
+
+
+def batch(**extra) -> pa.Table:
+    return pa.table({"prompt_ids": pa.array(PROMPTS, I32), "response_ids": pa.array(RESPONSES, I32),
+                     "response_mask": pa.array(MASKS, I8), **extra})
+
+
+def ctx(temperature: float | None = None) -> StageContext:
+    return StageContext(step=3, seed=0, extras={} if temperature is None else {"temperature": temperature})
+
+
+@torch.no_grad()
+def per_row_logprobs(model: torch.nn.Module, temperature: float = 1.0) -> list[list[float]]:
+    """log_softmax(logits / T)[token] of every response token, one unpadded row at a time."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for prompt, response in zip(PROMPTS, RESPONSES):
+        ids = torch.tensor([prompt + response])
+        logits = model(input_ids=ids).logits[0].double()
+        p = len(prompt)
+        logp = torch.log_softmax(logits[p - 1 : p - 1 + len(response)] / temperature, dim=-1)
+        out.append(logp[torch.arange(len(response)), torch.tensor(response)].tolist())
+    model.train(was_training)
+    return out
+
+
+def assert_rows_close(actual: pa.Array, expected: list[list[float]], atol: float = 1e-5) -> None:
+    rows = actual.to_pylist()
+    assert [len(r) for r in rows] == [len(r) for r in RESPONSES]
+    for got, want in zip(rows, expected):
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def state() -> TrainState:
+    return TrainState(config(), 0, 1, None)
+
+
+def trainer_stage(state, table, micro=None, temperature=None):
+    spec = stage_registry("old_log_prob").get("trainer")
+    return spec.fn(state, table, spec.params_model(micro_batch_size=micro), ctx(temperature))
+
+
+def test_trainer_logprobs_equal_a_per_row_forward(state):
+    table = batch()
+    result = trainer_stage(state, table)
+    assert set(result.columns) == {"old_logprobs"}
+    assert result.columns["old_logprobs"].type == F32
+    assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model))
+    assert table.column_names == ["prompt_ids", "response_ids", "response_mask"]  # input untouched
+    assert state.model.training  # scoring switched to eval and back
+
+
+def test_temperature_from_the_context_divides_the_logits(state):
+    hot = trainer_stage(state, batch(), temperature=0.5).columns["old_logprobs"]
+    assert_rows_close(hot, per_row_logprobs(state.model, temperature=0.5))
+    plain = per_row_logprobs(state.model)
+    diff = max(abs(a - b) for row_a, row_b in zip(hot.to_pylist(), plain) for a, b in zip(row_a, row_b))
+    assert diff > 1e-3  # the temperature really changed the values
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_micro_batch_size_does_not_change_the_values(state, micro):
+    whole = trainer_stage(state, batch(), micro=3).columns["old_logprobs"].to_pylist()
+    split = trainer_stage(state, batch(), micro=micro).columns["old_logprobs"].to_pylist()
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
+
+
+def test_micro_batch_size_defaults_to_the_trainers():
+    state = TrainState(config(micro_batch_size=1), 0, 1, None)
+    result = trainer_stage(state, batch())  # params.micro_batch_size=None → trainer.micro_batch_size=1
+    assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model))
+
+
+def test_bypass_copies_the_rollout_logprobs():
+    rollout = pa.array([[-0.5, -1.25, -2.0, -0.125], [-3.5], [-0.75, -1.5, -0.25]], F32)
+    spec = stage_registry("old_log_prob").get("bypass")
+    result = spec.fn(batch(rollout_logprobs=rollout), spec.params_model(), ctx())
+    assert set(result.columns) == {"old_logprobs"}
+    assert result.columns["old_logprobs"].type == F32
+    assert result.columns["old_logprobs"].to_pylist() == rollout.to_pylist()
+
+
+def test_bypass_without_the_column_says_how_to_get_it():
+    spec = stage_registry("old_log_prob").get("bypass")
+    expected = (r"bypass mode and rollout correction need `rollout_logprobs` for every row, but the batch has no "
+                r"such column; make the generate stage return sampled-token logprobs, or use old_log_prob/trainer")
+    with pytest.raises(BatchError, match=expected):
+        spec.fn(batch(), spec.params_model(), ctx())
+
+
+def test_bypass_with_null_rows_names_their_count_and_the_stage():
+    with_null = pa.array([[-0.5, -1.0, -2.0, -0.1], None, [-0.7, -1.5, -0.2]], F32)
+    with pytest.raises(StageError, match=r"but 1 rows have none; make the generate stage") as err:
+        _run_stage("old_log_prob", "bypass", {}, batch(rollout_logprobs=with_null), ctx())
+    assert (err.value.kind, err.value.impl, err.value.step) == ("old_log_prob", "bypass", 3)
+    assert isinstance(err.value.cause, BatchError)
+
+
+def test_reference_logprobs_use_the_reference_model():
+    ref = ReferenceState(config(), 0, 1, None)
+    assert not ref.model.training
+    spec = stage_registry("ref").get("reference")
+    result = spec.fn(ref, batch(), spec.params_model(micro_batch_size=2), ctx(temperature=0.8))
+    assert set(result.columns) == {"ref_logprobs"}
+    assert result.columns["ref_logprobs"].type == F32
+    assert_rows_close(result.columns["ref_logprobs"], per_row_logprobs(ref.model, temperature=0.8))
+
+
+def test_reference_follows_loaded_weights_not_the_seed():
+    cfg = config()
+    ref = ReferenceState(cfg, 0, 1, None)
+    trainer = TrainState(cfg, 0, 1, None)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    spec = stage_registry("ref").get("reference")
+    before = spec.fn(ref, batch(), spec.params_model(), ctx()).columns["ref_logprobs"]
+    ref.load_weights(trainer.export_weights())
+    after = spec.fn(ref, batch(), spec.params_model(), ctx()).columns["ref_logprobs"]
+    expected = per_row_logprobs(trainer.model)
+    assert_rows_close(after, expected)
+    with pytest.raises(AssertionError):
+        assert_rows_close(before, expected)
