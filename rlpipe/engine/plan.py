@@ -23,6 +23,7 @@ from rlpipe.registry import registry
 from rlpipe.schemas.batch import PROMPT_COLUMNS, column_type
 from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import REQUIRED_KINDS, STEP_KINDS, StageSpec, stage_registry
+from rlpipe.stages.datasets import validate_params as validate_dataset_params
 
 SOURCE = "<prompts>"
 """Provider name of the columns the prompt source (data loader) supplies."""
@@ -85,6 +86,7 @@ class Plan:
 
 def build_plan(config: PipelineConfig) -> Plan:
     """Check ``config`` and return its logical DAG; raises PlanError/ConfigError with the fix."""
+    validate_dataset_params(config.data.source, config.data.params)
     nodes = [_plan_node(i, stage_cfg) for i, stage_cfg in enumerate(config.stages)]
     missing = [k for k in REQUIRED_KINDS if not any(n.kind == k for n in nodes)]
     if missing:

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rlpipe.engine.ray_runtime import _run_stage
 from rlpipe.engine.train_state import TrainState
 from rlpipe.engine.workers import ReferenceState
 from rlpipe.errors import BatchError, StageError
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, PipelineConfig, TokenizerConfig, TrainerConfig
 from rlpipe.stage import StageContext, stage_registry
-from rlpipe.engine.ray_runtime import _run_stage
 
 I32, I8, F32 = pa.list_(pa.int32()), pa.list_(pa.int8()), pa.list_(pa.float32())
 PROMPTS = [[5, 6], [7, 8, 9, 10, 11], [12, 13, 4]]
@@ -59,7 +59,8 @@ def assert_rows_close(actual: pa.Array, expected: list[list[float]], atol: float
     rows = actual.to_pylist()
     assert [len(r) for r in rows] == [len(r) for r in RESPONSES]
     for got, want in zip(rows, expected):
-        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64), rtol=0, atol=atol)
+        got, want = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +155,20 @@ def test_reference_follows_loaded_weights_not_the_seed():
     assert_rows_close(after, expected)
     with pytest.raises(AssertionError):
         assert_rows_close(before, expected)
+
+
+def test_bypass_rejects_logprobs_not_aligned_with_the_response():
+    short = pa.array([[-0.5, -1.0, -2.0], [-3.5], [-0.7, -1.5, -0.2]], F32)  # row 0 has 3 values for 4 tokens
+    spec = stage_registry("old_log_prob").get("bypass")
+    with pytest.raises(BatchError, match="column 'rollout_logprobs' is not aligned with response_mask"):
+        spec.fn(batch(rollout_logprobs=short), spec.params_model(), ctx())
+
+
+def test_a_row_with_an_empty_response_scores_as_empty_and_leaves_the_others_alone(state):
+    table = pa.table({"prompt_ids": pa.array(PROMPTS + [[9, 8]], I32),
+                      "response_ids": pa.array(RESPONSES + [[]], I32),
+                      "response_mask": pa.array(MASKS + [[]], I8)})
+    for micro in (1, 4):
+        rows = trainer_stage(state, table, micro=micro).columns["old_logprobs"]
+        assert rows.to_pylist()[3] == []
+        assert_rows_close(rows.slice(0, 3), per_row_logprobs(state.model))

@@ -102,7 +102,8 @@ def hand_step(model, opt: HandAdamW, table: pa.Table, rows, lr: float, clip: flo
     for i, logp in zip(rows, row_logprobs(model, rows)):
         ratio = torch.exp(logp - torch.tensor(old[i]))
         assert ((ratio > 0.8) & (ratio < 1.2)).all()  # clipping inactive: -A·ratio is the vanilla loss
-        numerator = numerator + (torch.tensor(ADVANTAGES[i]) * torch.tensor(MASKS[i], dtype=torch.float32) * ratio).sum()
+        mask = torch.tensor(MASKS[i], dtype=torch.float32)
+        numerator = numerator + (torch.tensor(ADVANTAGES[i]) * mask * ratio).sum()
     loss = -numerator / tokens
     grads = torch.autograd.grad(loss, opt.params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(opt.params, grads)]
@@ -193,7 +194,10 @@ def test_mini_batches_and_epochs_count_local_updates_and_drive_the_schedule(sche
     state = TrainState(config(prompts=4, mini=2, epochs=2, total_steps=3, schedule=schedule), 0, 1, None)
     assert state.total_updates == 12
     table = batch(state.model)
-    factor = lambda u: reference_factor(schedule.name, schedule.warmup_updates, schedule.min_lr_ratio, 12, u)  # noqa: E731
+
+    def factor(u):
+        return reference_factor(schedule.name, schedule.warmup_updates, schedule.min_lr_ratio, 12, u)
+
     for step in range(2):
         metrics = run_update(state, table)
         done = 4 * (step + 1)
@@ -214,9 +218,29 @@ def test_mini_batches_and_epochs_equal_the_hand_written_loop():
     losses = []
     for _ in range(2):  # epochs
         for rows in (range(0, 4), range(4, 8)):  # mini-batches: contiguous halves of the rows
-            losses.append(hand_step(hand_model, opt, table, rows, LR * reference_factor("cosine", 1, 0.1, 8, u), None)[0])
+            lr = LR * reference_factor("cosine", 1, 0.1, 8, u)
+            losses.append(hand_step(hand_model, opt, table, rows, lr, None)[0])
             u += 1
     metrics = run_update(state, table)
     assert state.local_updates == 4
     assert_same_params(params_of(state.model), params_of(hand_model))
     assert metrics["actor/pg_loss"] == pytest.approx(np.mean(losses), abs=1e-6)  # mean over the local updates
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("micro", [1, 64])
+def test_rows_without_valid_tokens_change_nothing(mode, micro):
+    # an empty response and a fully masked one: no tokens, no sequences in the denominators, zero gradient
+    params = []
+    for extra in (False, True):
+        state = TrainState(config(micro=micro), 0, 1, None)
+        table = batch(state.model)
+        if extra:
+            table = pa.concat_tables([table, pa.table({
+                "prompt_ids": pa.array([[7, 8], [9]], I32), "response_ids": pa.array([[], [4, 5]], I32),
+                "response_mask": pa.array([[], [0, 0]], I8), "old_logprobs": pa.array([[], [-2.0, -2.5]], F32),
+                "advantages": pa.array([[], [3.0, 3.0]], F32),
+            })])  # fmt: skip
+        run_update(state, table, loss_agg_mode=mode)
+        params.append(params_of(state.model))
+    assert_same_params(params[1], params[0])

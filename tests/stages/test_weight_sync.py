@@ -1,0 +1,114 @@
+"""weight_sync/object_store driven against in-process states: a real trainer and a real rollout engine."""
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlpipe.backends.engine import EngineError, GenerationRequest, SamplingParams
+from rlpipe.engine.inline import LocalWorkerCalls
+from rlpipe.engine.train_state import TrainState
+from rlpipe.engine.workers import RolloutState
+from rlpipe.schemas.config import (
+    ArchitectureConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig, TrainerConfig,
+)
+from rlpipe.stage import StageContext, stage_registry
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+
+
+def config() -> PipelineConfig:
+    arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                              max_position_embeddings=64)
+    return PipelineConfig(model=ModelConfig(architecture=arch), tokenizer=TokenizerConfig(chars="0123456789="),
+                          trainer=TrainerConfig(optimizer=OptimizerConfig(lr=0.05)), stages=[])
+
+
+@pytest.fixture
+def roles():
+    cfg = config()
+    trainer, rollout = TrainState(cfg, 0, 1, None), RolloutState(cfg, 0, 1, None)
+    return trainer, rollout, LocalWorkerCalls({"actor": [trainer], "rollout": [rollout]})
+
+
+def push(workers, step=0):
+    spec = stage_registry("weight_sync").get("object_store")
+    result = spec.fn(pa.table({"uid": ["a"]}), spec.params_model(), StageContext(step=step, seed=0, workers=workers))
+    assert result.columns == {} and result.table is None and result.keep is None  # orchestration only
+    return result.metrics
+
+
+@torch.no_grad()
+def logits(model) -> torch.Tensor:
+    was = model.training
+    model.eval()
+    out = model(input_ids=IDS).logits
+    model.train(was)
+    return out
+
+
+def train_one_step(trainer: TrainState) -> None:
+    trainer.model(input_ids=IDS).logits.logsumexp(-1).mean().backward()
+    trainer.optimizer_step()
+
+
+def requests(prefix: str, n: int = 4, max_tokens: int = 6):
+    return [GenerationRequest(f"{prefix}{i}", [5 + i, 6, 7], max_tokens, SamplingParams(seed=1)) for i in range(n)]
+
+
+def test_push_bumps_the_version_and_the_engine_serves_the_trainers_weights(roles):
+    trainer, rollout, workers = roles
+    train_one_step(trainer)
+    assert not torch.allclose(logits(rollout.engine.model), logits(trainer.model), atol=1e-4)
+
+    metrics = push(workers)
+
+    assert metrics["weight_sync/version"] == 1.0
+    assert trainer.get_version() == 1 and rollout.get_version() == 1 and rollout.engine.version == 1
+    assert metrics["weight_sync/aborted_requests"] == 0.0
+    assert torch.equal(logits(rollout.engine.model), logits(trainer.model))
+    results = rollout.engine.generate(requests("a"))
+    assert all(len(r.versions) == len(r.response_ids) > 0 for r in results)
+    assert all((r.versions == 1).all() for r in results)
+
+
+def test_every_push_bumps_by_one_and_new_tokens_carry_the_new_version(roles):
+    trainer, rollout, workers = roles
+    for expected in (1, 2, 3):
+        with torch.no_grad():  # a manual edit of the trainer's weights between pushes
+            next(trainer.model.parameters()).mul_(1.1)
+        metrics = push(workers, step=expected)
+        assert metrics["weight_sync/version"] == float(expected)
+        assert trainer.version == rollout.engine.version == expected
+        assert torch.equal(logits(rollout.engine.model), logits(trainer.model))
+        results = rollout.engine.generate(requests(f"v{expected}-"))
+        assert {int(v) for r in results for v in r.versions} == {expected}
+
+
+def test_push_during_generation_aborts_in_flight_requests_first(roles):
+    trainer, rollout, workers = roles
+    engine = rollout.engine
+    engine.submit(requests("busy", n=5, max_tokens=30))
+    engine.step()  # prefill + first token: the requests are mid-generation
+    engine.submit(requests("queued", n=2))  # not even prefilled yet
+    in_flight = engine.num_running()
+    assert in_flight == 7
+    with pytest.raises(EngineError, match="in flight"):  # without the stage's abort the load is refused
+        rollout.load_weights(trainer.export_weights(), 1)
+    train_one_step(trainer)
+
+    metrics = push(workers)
+
+    assert metrics["weight_sync/aborted_requests"] == float(in_flight)
+    assert not engine.has_active() and engine.num_running() == 0
+    assert engine.version == trainer.version == 1
+    assert torch.equal(logits(engine.model), logits(trainer.model))
+    assert all((r.versions == 1).all() for r in engine.generate(requests("after")))
+
+
+def test_push_wakes_a_sleeping_engine(roles):
+    trainer, rollout, workers = roles
+    rollout.sleep()
+    assert rollout.engine.asleep
+    push(workers)
+    assert not rollout.engine.asleep and rollout.engine.version == 1
+    assert len(rollout.engine.generate(requests("w", n=1))) == 1
