@@ -25,3 +25,5 @@ import rlpipe.stages.scorers  # noqa: F401
 import rlpipe.engine.workers  # noqa: F401
 import rlpipe.engine.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401
+import rlpipe.modes.separate_async  # noqa: F401
+import rlpipe.modes.colocate_async  # noqa: F401

@@ -86,7 +86,7 @@ def from_padded(
     """Padded ``[B, L]`` tensor → jagged list column keeping ``lens[i]`` elements of row i."""
     lens = np.asarray(lens, dtype=np.int64)
     mask = padding_mask(lens, tensor.shape[1], left)
-    flat = tensor.detach()[mask].cpu().numpy()
+    flat = tensor.detach().cpu()[mask].numpy()
     return from_flat(flat, lens, value_type)
 
 
@@ -144,6 +144,12 @@ class SequenceInputs:
         ).long()
         self.position_ids = (self.attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         self.response_padding = padding_mask(r_lens, self.response_width)
+
+    def to(self, device: torch.device | str) -> "SequenceInputs":
+        """Move the tensors to ``device`` (in place; returns self)."""
+        for name in ("input_ids", "attention_mask", "position_ids", "response_padding"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
 
     def response_logprobs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """``[B, R]`` log-probabilities of the response tokens under ``logits`` (padding → 0)."""

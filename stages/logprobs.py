@@ -33,6 +33,7 @@ def model_logprobs(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, t
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, SequenceInputs]:
     """``[B, R]`` response-token logprobs (and entropies) of ``batch`` under ``model``."""
     seq = SequenceInputs(batch.column(PROMPT_IDS), batch.column(RESPONSE_IDS), pad_token_id)
+    seq.to(next(model.parameters()).device)
     logits = model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids).logits
     logp = seq.response_logprobs(logits, temperature)
     entropy = None

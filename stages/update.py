@@ -42,10 +42,10 @@ def _reads(params: PPOUpdateParams) -> dict:
     return cols(*names)
 
 
-def _padded(batch: pa.Table, name: str | None, width: int) -> torch.Tensor | None:
+def _padded(batch: pa.Table, name: str | None, width: int, device: torch.device) -> torch.Tensor | None:
     if name is None or name not in batch.column_names:
         return None
-    return to_padded(batch.column(name), 0, torch.float32, width)
+    return to_padded(batch.column(name), 0, torch.float32, width).to(device)
 
 
 @stage("update", "ppo", placement="worker", role="actor", params=PPOUpdateParams, reads=_reads, writes={})
@@ -81,13 +81,14 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
         logp, entropy, seq = model_logprobs(
             state.model, micro, state.pad_token_id, temperature, with_entropy=params.entropy_coeff != 0
         )
-        width = seq.response_width
-        mask = _padded(micro, RESPONSE_MASK, width) * seq.response_padding
+        width, dev = seq.response_width, state.device
+        mask = _padded(micro, RESPONSE_MASK, width, dev) * seq.response_padding
         loss, metrics = actor_loss(
-            params, log_prob=logp, old_log_prob=_padded(micro, OLD_LOGPROBS, width),
-            advantages=_padded(micro, ADVANTAGES, width), response_mask=mask, denominators=denominators,
-            ref_log_prob=_padded(micro, REF_LOGPROBS if params.use_kl_loss else None, width),
-            entropy=entropy, rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width),
+            params, log_prob=logp, old_log_prob=_padded(micro, OLD_LOGPROBS, width, dev),
+            advantages=_padded(micro, ADVANTAGES, width, dev), response_mask=mask, denominators=denominators,
+            ref_log_prob=_padded(micro, REF_LOGPROBS if params.use_kl_loss else None, width, dev),
+            entropy=entropy,
+            rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width, dev),
         )
         loss.backward()
         share = len(rows) / mini.num_rows

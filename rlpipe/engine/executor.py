@@ -99,17 +99,28 @@ class StepExecutor:
             self.policy_version = int(self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
-        out_fp = fingerprint(out)
-        self.observer.on_node_end(NodeRecord(
-            run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
-            params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
-            input_fingerprint=input_fp, output_fingerprint=out_fp, rows_in=table.num_rows,
-            rows_out=out.num_rows, policy_versions=policy_versions(out), trainer_version=self.policy_version,
-            start_time=start, duration_s=duration, metrics=dict(result.metrics),
-        ))
+        out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp)
         for hook in self.after_node:
             hook(node, step)
         return out, metrics, out_fp
+
+    def record(self, step: int, node: PlannedNode, table_in: pa.Table | None, table_out: pa.Table, start: float,
+               duration: float, metrics: dict[str, float], input_fp: str | None = None) -> str:
+        """Hand a lineage record of one node execution to the observer; returns the output fingerprint.
+
+        Modes call this directly for work done outside ``run`` (e.g. continuous generation)."""
+        out_fp = fingerprint(table_out)
+        if input_fp is None:
+            input_fp = fingerprint(table_in) if table_in is not None else ""
+        self.observer.on_node_end(NodeRecord(
+            run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
+            params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
+            input_fingerprint=input_fp, output_fingerprint=out_fp,
+            rows_in=table_in.num_rows if table_in is not None else 0, rows_out=table_out.num_rows,
+            policy_versions=policy_versions(table_out), trainer_version=self.policy_version,
+            start_time=start, duration_s=duration, metrics=dict(metrics),
+        ))
+        return out_fp
 
     def _dispatch(self, node: PlannedNode, table: pa.Table, ctx: StageContext) -> StageResult:
         spec = node.spec

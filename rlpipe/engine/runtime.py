@@ -117,14 +117,15 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     runtime = backend = None
     started = time.time()
     try:
-        roles = set(ALWAYS_ROLES) | plan.roles()
+        mode_cls = registry("mode").get(config.mode)
+        roles = set(ALWAYS_ROLES) | plan.roles() | mode_cls.roles(config)
         if inline:
             backend = InlineBackend(config, roles)
         else:
             init_ray(config.resources.ray_address, config.resources.num_cpus)
             backend = RayBackend.start(config, roles)
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
-        mode = registry("mode").get(config.mode)(runtime, plan.mode_params)
+        mode = mode_cls(runtime, plan.mode_params)
         mode.run()
         runtime.save_model("final")
     except KeyboardInterrupt:

@@ -29,6 +29,11 @@ class Mode:
     def check(cls, config: "PipelineConfig", plan: "Plan") -> None:
         """Raise PlanError/ConfigError when the config violates the mode's constraints."""
 
+    @classmethod
+    def roles(cls, config: "PipelineConfig") -> set[str]:
+        """Worker roles the mode needs beyond those the plan's stages run on."""
+        return set()
+
     def __init__(self, runtime: "Runtime", params: BaseModel):
         self.runtime = runtime
         self.params = params

@@ -14,7 +14,9 @@ from rlpipe.engine.ray_runtime import _run_stage
 from rlpipe.engine.train_state import TrainState
 from rlpipe.engine.workers import ReferenceState
 from rlpipe.errors import BatchError, StageError
-from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, PipelineConfig, TokenizerConfig, TrainerConfig
+from rlpipe.schemas.config import (
+    ArchitectureConfig, ModelConfig, PipelineConfig, ResourcesConfig, TokenizerConfig, TrainerConfig,
+)
 from rlpipe.stage import StageContext, stage_registry
 
 I32, I8, F32 = pa.list_(pa.int32()), pa.list_(pa.int8()), pa.list_(pa.float32())
@@ -23,11 +25,12 @@ RESPONSES = [[6, 7, 8, 9], [4], [10, 14, 5]]
 MASKS = [[1, 1, 1, 0], [1], [1, 0, 1]]
 
 
-def config(micro_batch_size: int = 64) -> PipelineConfig:
+def config(micro_batch_size: int = 64, device: str = "cpu") -> PipelineConfig:
     arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                               max_position_embeddings=64)
     return PipelineConfig(model=ModelConfig(architecture=arch), tokenizer=TokenizerConfig(chars="0123456789="),
-                          trainer=TrainerConfig(micro_batch_size=micro_batch_size), stages=[])
+                          trainer=TrainerConfig(micro_batch_size=micro_batch_size),
+                          resources=ResourcesConfig(device=device), stages=[])
 
 
 def batch(**extra) -> pa.Table:
@@ -45,9 +48,10 @@ def per_row_logprobs(model: torch.nn.Module, temperature: float = 1.0) -> list[l
     was_training = model.training
     model.eval()
     out = []
+    device = next(model.parameters()).device
     for prompt, response in zip(PROMPTS, RESPONSES):
-        ids = torch.tensor([prompt + response])
-        logits = model(input_ids=ids).logits[0].double()
+        ids = torch.tensor([prompt + response], device=device)
+        logits = model(input_ids=ids).logits[0].double().cpu()
         p = len(prompt)
         logp = torch.log_softmax(logits[p - 1 : p - 1 + len(response)] / temperature, dim=-1)
         out.append(logp[torch.arange(len(response)), torch.tensor(response)].tolist())
@@ -172,3 +176,13 @@ def test_a_row_with_an_empty_response_scores_as_empty_and_leaves_the_others_alon
         rows = trainer_stage(state, table, micro=micro).columns["old_logprobs"]
         assert rows.to_pylist()[3] == []
         assert_rows_close(rows.slice(0, 3), per_row_logprobs(state.model))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_on_cuda_scores_like_the_per_row_forward():
+    # resources.device: cuda puts the trainer's model on the GPU; the stage must feed it GPU inputs
+    state = TrainState(config(device="cuda"), 0, 1, None)
+    assert next(state.model.parameters()).is_cuda
+    result = trainer_stage(state, batch(), micro=2)
+    assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model), atol=1e-4)

@@ -18,8 +18,8 @@ import torch
 
 from rlpipe.engine.train_state import TrainState
 from rlpipe.schemas.config import (
-    ArchitectureConfig, DataConfig, LRScheduleConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig,
-    TrainerConfig,
+    ArchitectureConfig, DataConfig, LRScheduleConfig, ModelConfig, OptimizerConfig, PipelineConfig, ResourcesConfig,
+    TokenizerConfig, TrainerConfig,
 )
 from rlpipe.stage import StageContext, stage_registry
 
@@ -33,7 +33,8 @@ ADVANTAGES = [[0.5, -1.0, 2.0, 0.3], [-0.7], [1.5, 0.2, -0.4], [0.9, 0.1, -1.2, 
 CTX = StageContext(step=0, seed=0)
 
 
-def config(*, prompts=8, mini=None, epochs=1, micro=64, clip=None, total_steps=1, schedule=None) -> PipelineConfig:
+def config(*, prompts=8, mini=None, epochs=1, micro=64, clip=None, total_steps=1, schedule=None,
+           device="cpu") -> PipelineConfig:
     arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
                               max_position_embeddings=64)
     trainer = TrainerConfig(total_steps=total_steps, ppo_mini_batch_size=mini, ppo_epochs=epochs,
@@ -41,7 +42,8 @@ def config(*, prompts=8, mini=None, epochs=1, micro=64, clip=None, total_steps=1
                             optimizer=OptimizerConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=WD),
                             lr_schedule=schedule or LRScheduleConfig())
     return PipelineConfig(model=ModelConfig(architecture=arch), tokenizer=TokenizerConfig(chars="0123456789="),
-                          data=DataConfig(prompts_per_step=prompts), trainer=trainer, stages=[])
+                          data=DataConfig(prompts_per_step=prompts), trainer=trainer,
+                          resources=ResourcesConfig(device=device), stages=[])
 
 
 def row_logprobs(model, rows) -> list[torch.Tensor]:
@@ -244,3 +246,14 @@ def test_rows_without_valid_tokens_change_nothing(mode, micro):
         run_update(state, table, loss_agg_mode=mode)
         params.append(params_of(state.model))
     assert_same_params(params[1], params[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_update_on_cuda_equals_the_update_on_cpu():
+    cpu = TrainState(config(micro=3), 0, 1, None)
+    gpu = TrainState(config(micro=3, device="cuda"), 0, 1, None)
+    table = batch(cpu.model)  # same seed: same initial weights on both devices
+    m_cpu, m_gpu = run_update(cpu, table), run_update(gpu, table)
+    assert_same_params([p.cpu() for p in params_of(gpu.model)], params_of(cpu.model), atol=1e-5)
+    assert m_gpu["actor/pg_loss"] == pytest.approx(m_cpu["actor/pg_loss"], abs=1e-5)

@@ -1,0 +1,175 @@
+"""What both async modes share: the plan split, the replay-buffer role, the rollout pool driver.
+
+The step DAG is cut in two. The *generation side* — ``generate`` and the nodes
+up to the staleness guard (reward) — runs continuously: prompts go to the
+rollout replicas' background services (see rlpipe.engine.rollout_service),
+finished groups are scored and land in the replay buffer (a Ray actor, role
+``sampler``). The *training side* — from the ``staleness_guard`` on — runs once
+per global step on a batch the buffer serves. The guard proves the bound the
+buffer enforces.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+from pydantic import Field
+
+from rlpipe.engine.workers import WORKER_ROLES, RoleSpec
+from rlpipe.errors import ConfigError, PlanError
+from rlpipe.modes.base import Mode
+from rlpipe.modes.sync import check_batch_arithmetic
+from rlpipe.registry import registry
+from rlpipe.schemas.batch import SAMPLE_INDEX, UID
+from rlpipe.stage import StageContext, StageParams
+from rlpipe.stages.generate import generation_seed
+
+
+class AsyncParams(StageParams):
+    """Params shared by the async modes."""
+
+    sampler: str = "replay_buffer"
+    """Registered sampler (kind `sampler`) holding prompts and finished groups."""
+    max_off_policy_threshold: int = Field(8, ge=1)
+    """Largest staleness a consumed group may have: consuming step − submission step + 1."""
+    strategy: Literal["drop", "wait"] = "drop"
+    """drop: evict stale finished groups and refill; wait: block sampling instead (nothing dropped)."""
+    capacity_steps: int = Field(2, ge=1)
+    """Prompts kept in flight = capacity_steps × prompts_per_step (more overlap, more staleness)."""
+    sampler_params: dict = Field(default_factory=dict)
+    """Extra params of a custom sampler."""
+    poll_s: float = Field(0.02, gt=0)
+    """How long one collection round waits for finished groups."""
+
+
+def split_plan(plan) -> tuple[list, list]:
+    """(generation-side nodes after generate, training-side nodes from the staleness guard on)."""
+    kinds = [n.kind for n in plan.nodes]
+    if "staleness_guard" not in kinds:
+        raise PlanError(
+            f"mode {plan.mode_name!r} needs a staleness_guard stage between generation and training; "
+            "add `- {kind: staleness_guard, impl: max_staleness}` to stages"
+        )
+    cut = kinds.index("staleness_guard")
+    head = [n for n in plan.nodes[:cut] if n.kind not in ("generate", "filter_groups")]
+    return head, plan.nodes[cut:]
+
+
+def check_async(config, plan) -> None:
+    """Constraints common to the async modes, with what to change."""
+    check_batch_arithmetic(config)
+    split_plan(plan)
+    for node in plan.nodes:
+        if node.kind == "reward" and node.spec.placement == "worker" and node.spec.role in ("actor", "rollout"):
+            raise ConfigError(
+                f"{plan.mode_name}: the reward model of stage {node.name!r} runs on the {node.spec.role!r} workers; "
+                "an async mode needs it in its own pool (a task or a separate role) so grading stays off the "
+                "rollout's and trainer's critical paths"
+            )
+
+
+def build_sampler(config, rank: int, world_size: int, dist_address: str | None):
+    """The ``sampler`` role: the registered sampler built from the mode's params."""
+    params = AsyncParams.model_validate(config.mode_params)
+    generate = next(s for s in config.stages if s.kind == "generate")
+    cls = registry("sampler").get(params.sampler)
+    filter_groups = any(s.kind == "filter_groups" for s in config.stages)
+    return cls(cls.Params.model_validate({
+        "max_off_policy_threshold": params.max_off_policy_threshold, "strategy": params.strategy,
+        "capacity_steps": params.capacity_steps, "filter_groups": filter_groups,
+        "group_size": generate.params.get("n", 8), "groups_per_step": config.data.prompts_per_step,
+        **params.sampler_params,
+    }))
+
+
+WORKER_ROLES.add("sampler", RoleSpec(build_sampler, sharded=False, size=lambda c: 1))
+
+
+def group_order(table: pa.Table) -> pa.Table:
+    """Rows grouped in order of first appearance, each group by sample index (the generate stage's order)."""
+    uids = np.asarray(table.column(UID).to_pylist(), dtype=object)
+    _, first, inverse = np.unique(uids, return_index=True, return_inverse=True)
+    rank_of_group = np.argsort(np.argsort(first))
+    order = np.lexsort((table.column(SAMPLE_INDEX).to_numpy(), rank_of_group[inverse]))
+    return table.take(pa.array(order))
+
+
+class AsyncMode(Mode):
+    """Driver of the rollout pool and the replay buffer; subclasses schedule the steps."""
+
+    Params = AsyncParams
+
+    @classmethod
+    def roles(cls, config) -> set[str]:
+        return {"sampler"}
+
+    def __init__(self, runtime, params: AsyncParams):
+        super().__init__(runtime, params)
+        self.head, self.train_nodes = split_plan(runtime.plan)
+        self.generate_node = runtime.plan.node("generate")
+        self.gen_params = self.generate_node.params.model_dump()
+        self.replicas = runtime.backend.group_size("rollout")
+        self.draws_at_step: dict[int, int] = {}
+        self.last_stats: list[dict] | None = None
+
+    def sampler(self, method: str, *args):
+        return self.runtime.workers.call("sampler", method, *args)[0]
+
+    # --- rollout side ------------------------------------------------------------------------
+    def submit(self, step: int, count: int) -> int:
+        """Draw ``count`` prompts at ``step`` into the buffer and dispatch them to the replicas."""
+        if count <= 0:
+            return 0
+        draw = self.draws_at_step.get(step, 0)
+        self.draws_at_step[step] = draw + 1
+        # the first draw of a step gets the sync mode's uids, so a zero-overlap run equals sync
+        prompts = self.runtime.loader.next_batch(step, count, uid_prefix="" if draw == 0 else f"d{draw}:")
+        self.sampler("add_prompts", prompts, step)
+        pending = self.sampler("next_pending", count)
+        for replica, rows in enumerate(np.array_split(np.arange(pending.num_rows), self.replicas)):
+            if len(rows):
+                seed = generation_seed(StageContext(step=step, seed=self.runtime.config.seed, dp_rank=replica))
+                self.runtime.workers.call("rollout", "service_submit", pending.take(pa.array(rows)),
+                                          self.gen_params, seed, rank=replica)
+        return pending.num_rows
+
+    def collect(self, step: int, timeout: float) -> int:
+        """Finished groups from every replica → generation-side nodes (reward) → the buffer."""
+        start = time.time()
+        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", 0, timeout) if t.num_rows]
+        if not parts:
+            return 0
+        table = pa.concat_tables(parts)
+        self.runtime.executor.record(step, self.generate_node, None, table, start, time.time() - start,
+                                     {"generate/collected_rows": float(table.num_rows)})
+        scored, _ = self.runtime.executor.run(step, table, self.head)
+        return self.sampler("add_trajectories", scored)
+
+    def rollout_stats(self) -> dict[str, float]:
+        """Busy/idle fractions of the rollout pool since the previous call."""
+        stats = self.runtime.workers.call("rollout", "service_stats")
+        previous, self.last_stats = self.last_stats, stats
+        if previous is None:
+            return {}
+        busy = sum(s["busy_s"] - p["busy_s"] for s, p in zip(stats, previous))
+        idle = sum(s["idle_s"] - p["idle_s"] for s, p in zip(stats, previous))
+        return {"async/rollout_idle_fraction": idle / max(busy + idle, 1e-9)}
+
+    # --- training side -----------------------------------------------------------------------
+    def train(self, step: int, batch: pa.Table, wait_s: float, max_staleness: int) -> None:
+        rt = self.runtime
+        start = time.time()
+        table, metrics = rt.executor.run(step, group_order(batch), self.train_nodes,
+                                         extras={"max_staleness": max_staleness})
+        train_s = time.time() - start
+        metrics.update(self.sampler("metrics", step))
+        metrics.update(self.rollout_stats())
+        metrics["async/guard_wait_s"] = wait_s
+        metrics["async/trainer_idle_fraction"] = wait_s / max(wait_s + train_s, 1e-9)
+        rt.end_step(step, table, metrics)
+
+    def stop_pool(self) -> None:
+        self.runtime.workers.call("rollout", "service_clear")

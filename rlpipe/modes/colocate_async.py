@@ -1,0 +1,64 @@
+"""``colocate_async`` mode: generation of step k+1 overlaps the training of step k.
+
+As soon as step k's batch is complete, the prompts of step k+1 are submitted to
+the rollout engine, which generates them with version k while the trainer
+trains on step k. At step k's weight push the in-flight requests are aborted,
+version k+1 is loaded, and they resume (partial rollout): a trajectory can carry
+tokens of versions k and k+1, never older. So the version lag is ≤ 1 and, with
+prompts submitted during step k and consumed at step k+1, the staleness
+(consuming − submission step + 1) is ≤ 2 — checked by the guard each step.
+``overlap: false`` submits step k's prompts only at step k, which is the sync
+schedule exactly (the zero-staleness invariant).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import Field
+
+from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async
+from rlpipe.registry import registry
+
+
+class ColocateAsyncParams(AsyncParams):
+    """Params of colocate_async (the buffer's threshold is fixed by the mode's structure)."""
+
+    overlap: bool = True
+    """Generate step k+1 during the training of step k (False: strict alternation, equals sync)."""
+    max_off_policy_threshold: int = Field(2, ge=1, le=2)
+    """Structural: 2 with overlap (prompts of step k+1 are submitted during step k), 1 without."""
+    strategy: str = "wait"
+    """Nothing is ever dropped: every submitted batch is consumed at the next step."""
+
+
+@registry("mode").register("colocate_async")
+class ColocateAsyncMode(AsyncMode):
+    """One-step overlap with partial rollout at every weight push."""
+
+    Params = ColocateAsyncParams
+
+    @classmethod
+    def check(cls, config, plan) -> None:
+        check_async(config, plan)
+
+    def run(self) -> None:
+        rt = self.runtime
+        groups = rt.config.data.prompts_per_step
+        bound = 2 if self.params.overlap else 1
+        total = rt.config.trainer.total_steps
+        try:
+            self.submit(rt.start_step, groups)
+            for step in range(rt.start_step, total):
+                waited = time.time()
+                while (batch := self.sampler("sample", groups, step)) is None:
+                    self.collect(step, self.params.poll_s)
+                if not self.params.overlap and step + 1 < total:
+                    pass  # the next batch is submitted after this step's push (below)
+                elif step + 1 < total:
+                    self.submit(step, groups)  # generated now, on version `step`, during training
+                self.train(step, batch, time.time() - waited, bound)
+                if not self.params.overlap and step + 1 < total:
+                    self.submit(step + 1, groups)
+        finally:
+            self.stop_pool()
