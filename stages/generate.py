@@ -9,6 +9,10 @@ of prompts, through the worker's :class:`~rlpipe.backends.engine.RolloutEngine`.
 Randomness: one seed per (run seed, step, dp rank), and the engine's per-request
 streams are keyed by ``uid/sample_index``, so a rerun reproduces every token.
 
+``group_requests`` and ``trajectory_table`` are the two halves of the stage
+without the engine call; the async modes' rollout service
+(:mod:`rlpipe.engine.rollout_service`) uses them, so its rows equal this stage's.
+
 Left out: multi-turn tool use and partial rollouts across steps (the agent loop
 and the async modes submit to the same engine themselves); this stage runs one
 synchronous generation to completion.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -49,7 +53,8 @@ from rlpipe.schemas.batch import (
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
 
 _STATUS = {"stop": STATUS_OK, "length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}
-_PASS_THROUGH = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
+PASS_THROUGH = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
+"""Prompt columns every trajectory row carries over from its prompt row."""
 
 
 class GenerateParams(StageParams):
@@ -67,6 +72,15 @@ class GenerateParams(StageParams):
     """Keep only the k most likely tokens (0 = off)."""
     max_tokens: int = Field(32, ge=1)
     """Most response tokens per trajectory; longer ones stop with status `truncated`."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence up to the length budget (load generation for benchmarks)."""
+    length_distribution: Literal["fixed", "pareto"] = "fixed"
+    """Per-request length budget: `fixed` = max_tokens; `pareto` = a heavy-tailed draw (seeded per request)
+    in [min_tokens, max_tokens] — with ignore_eos, the long-tail rollout latency of real agentic/reasoning RL."""
+    pareto_alpha: float = Field(1.2, gt=0)
+    """Tail index of the pareto length draw (smaller = heavier tail)."""
+    min_tokens: int = Field(1, ge=1)
+    """Smallest length budget of the pareto draw."""
 
 
 def generation_seed(ctx: StageContext) -> int:
@@ -90,36 +104,62 @@ def generation_seed(ctx: StageContext) -> int:
 )
 def generate(worker: Any, batch: pa.Table, params: GenerateParams, ctx: StageContext) -> StageResult:
     """Sample ``params.n`` responses for every prompt row of ``batch``."""
+    rows, sample_index, requests = group_requests(batch, params, generation_seed(ctx))
+    start = time.perf_counter()
+    results = worker.engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    table = trajectory_table(batch.take(pa.array(rows)), sample_index, results, worker.tokenizer)
+    return StageResult(table=table, metrics=_metrics(results, elapsed))
+
+
+def request_id(uid: str, sample_index: int) -> str:
+    """The engine request id of one trajectory; it keys the trajectory's random stream."""
+    return f"{uid}/{sample_index}"
+
+
+def length_budgets(params, ids: list[str], seed: int) -> np.ndarray:
+    """Each request's max_tokens: fixed, or a Pareto draw keyed by (seed, request id) so it is reproducible."""
+    if getattr(params, "length_distribution", "fixed") == "fixed":
+        return np.full(len(ids), params.max_tokens)
+    keys = [int.from_bytes(hashlib.blake2b(f"{seed}\x00{rid}".encode(), digest_size=8).digest(), "little") for rid in ids]
+    u = (np.array(keys, dtype=np.float64) + 0.5) / 2.0**64  # uniform in (0, 1)
+    draw = params.min_tokens * u ** (-1.0 / params.pareto_alpha)  # inverse CDF of Pareto(alpha, min_tokens)
+    return np.clip(np.floor(draw), params.min_tokens, params.max_tokens).astype(np.int64)
+
+
+def group_requests(
+    batch: pa.Table, params: GenerateParams, seed: int
+) -> tuple[np.ndarray, np.ndarray, list[GenerationRequest]]:
+    """``(prompt row, sample index, request)`` of every trajectory: ``params.n`` per prompt row, row-major.
+
+    ``params`` may be any object with GenerateParams' fields. Raises BatchError if a uid repeats.
+    """
     uids = batch.column(UID)
     if pc.count_distinct(uids).as_py() != batch.num_rows:
         raise BatchError("generate needs one row per prompt: the batch repeats a uid; give every prompt its own uid")
     rows = np.repeat(np.arange(batch.num_rows), params.n)
     sample_index = np.tile(np.arange(params.n, dtype=np.int32), batch.num_rows)
-    requests = _requests(batch, rows, sample_index, params, generation_seed(ctx))
-    start = time.perf_counter()
-    results = worker.engine.generate(requests)
-    elapsed = time.perf_counter() - start
-    table = _table(batch.take(pa.array(rows)), sample_index, results, worker.tokenizer)
-    return StageResult(table=table, metrics=_metrics(results, elapsed))
-
-
-def _requests(
-    batch: pa.Table, rows: np.ndarray, sample_index: np.ndarray, params: GenerateParams, seed: int
-) -> list[GenerationRequest]:
     offsets, values = offsets_and_values(batch.column(PROMPT_IDS))
     prompts = [values[offsets[i] : offsets[i + 1]] for i in range(batch.num_rows)]  # views, no copies
-    uids = batch.column(UID).to_pylist()
-    sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed)
-    return [
-        GenerationRequest(f"{uids[row]}/{j}", prompts[row], max_tokens=params.max_tokens, sampling=sampling)
-        for row, j in zip(rows.tolist(), sample_index.tolist())
+    uid_list = uids.to_pylist()
+    sampling = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
+                              ignore_eos=getattr(params, "ignore_eos", False))
+    ids = [request_id(uid_list[row], j) for row, j in zip(rows.tolist(), sample_index.tolist())]
+    budgets = length_budgets(params, ids, seed)
+    requests = [
+        GenerationRequest(rid, prompts[row], max_tokens=int(budget), sampling=sampling)
+        for rid, row, budget in zip(ids, rows.tolist(), budgets)
     ]
+    return rows, sample_index, requests
 
 
-def _table(expanded: pa.Table, sample_index: np.ndarray, results: list[GenerationResult], tokenizer) -> pa.Table:
+def trajectory_table(
+    expanded: pa.Table, sample_index: np.ndarray, results: list[GenerationResult], tokenizer
+) -> pa.Table:
+    """The canonical trajectory rows: ``expanded`` holds each row's prompt columns, ``results`` its response."""
     lens = np.array([len(r.response_ids) for r in results], dtype=np.int64)
     ids = _concat([r.response_ids for r in results], np.int32)
-    columns = {name: expanded.column(name).cast(column_type(name)) for name in _PASS_THROUGH}
+    columns = {name: expanded.column(name).cast(column_type(name)) for name in PASS_THROUGH}
     columns[SAMPLE_INDEX] = pa.array(sample_index, type=column_type(SAMPLE_INDEX))
     columns[RESPONSE_IDS] = from_flat(ids, lens, pa.int32())
     columns[RESPONSE_MASK] = from_flat(np.ones(len(ids), np.int8), lens, pa.int8())  # every token is the model's

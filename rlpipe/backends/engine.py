@@ -64,6 +64,7 @@ class _Cohort:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    ignore_eos: torch.Tensor  # [B] bool
     tokens: list[torch.Tensor] = field(default_factory=list)  # per step: [B] sampled ids
     logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [B]
 
@@ -250,6 +251,7 @@ class RolloutEngine:
             temperature=torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32),
             top_k=torch.tensor([r.sampling.top_k for r in requests]),
             top_p=torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32),
+            ignore_eos=torch.tensor([r.sampling.ignore_eos for r in requests], dtype=torch.bool),
         )
         return cohort, logits
 
@@ -268,7 +270,7 @@ class RolloutEngine:
         token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, u)
         c.tokens.append(token)
         c.logprobs.append(logprob)
-        stop = torch.isin(token, self.stop_ids)
+        stop = torch.isin(token, self.stop_ids) & ~c.ignore_eos
         done = stop | (c.budget <= len(c.tokens))
         if not done.any():
             return
@@ -291,7 +293,8 @@ def _retain(c: _Cohort, keep: torch.Tensor) -> None:
     if not c.requests:
         return
     c.cache.batch_select_indices(keep)
-    for name in ("attention_mask", "next_position", "prefix_len", "budget", "keys", "temperature", "top_k", "top_p"):
+    for name in ("attention_mask", "next_position", "prefix_len", "budget", "keys", "temperature", "top_k", "top_p",
+                 "ignore_eos"):
         setattr(c, name, getattr(c, name)[keep])
     c.tokens = [t[keep] for t in c.tokens]
     c.logprobs = [lp[keep] for lp in c.logprobs]

@@ -36,6 +36,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int = 0
+    ignore_eos: bool = False  # generate exactly max_tokens (load generation, benchmarks)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,19 @@ class RolloutState:
         self.engine.load_weights(buckets, version)
         return version
 
+    def push_weights(self, buckets, version: int) -> int:
+        """Weight-push boundaries 0, 3, 4: quiesce (abort in-flight requests), load, resume.
+
+        With a running rollout service the aborted partial trajectories resume on the new
+        weights (partial rollout); without one the engine is idle (sync) and simply loads.
+        Returns the number of aborted requests."""
+        self.engine.wake()
+        if getattr(self, "_service", None) is not None:
+            return self._service.push_weights(buckets, version)
+        aborted = self.engine.abort_all()
+        self.engine.load_weights(buckets, version)
+        return len(aborted)
+
     def sleep(self) -> None:
         self.engine.sleep()
 
@@ -63,6 +76,49 @@ class RolloutState:
 
     def get_version(self) -> int:
         return self.engine.version
+
+    # -- the continuous rollout service of the async modes (started on first use) -------------------
+
+    def service(self):
+        """This replica's :class:`~rlpipe.engine.rollout_service.RolloutService` (its thread starts on first use)."""
+        if getattr(self, "_service", None) is None:
+            from rlpipe.engine.rollout_service import RolloutService
+
+            self._service = RolloutService(self.engine, self.tokenizer, name=f"rollout-service-{self.rank}")
+        return self._service
+
+    def service_submit(self, prompts, params, seed: int) -> int:
+        return self.service().submit(prompts, params, seed)
+
+    def service_collect(self, min_groups: int = 0, timeout: float | None = None, max_groups: int | None = None):
+        return self.service().collect(min_groups, timeout, max_groups)
+
+    def service_pause(self) -> int:
+        return self.service().pause()
+
+    def service_load_weights(self, buckets, version: int) -> int:
+        self.service().load_weights(buckets, version)
+        return version
+
+    def service_resume(self) -> int:
+        return self.service().resume()
+
+    def service_push_weights(self, buckets, version: int) -> int:
+        return self.service().push_weights(buckets, version)
+
+    def service_drop(self, uids) -> int:
+        return self.service().drop(uids)
+
+    def service_stats(self) -> dict[str, float]:
+        return self.service().stats()
+
+    def service_clear(self) -> int:
+        return self.service().clear()
+
+    def service_shutdown(self) -> None:
+        if getattr(self, "_service", None) is not None:
+            self._service.shutdown()
+            self._service = None
 
 
 class ReferenceState:

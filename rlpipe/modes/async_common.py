@@ -73,7 +73,7 @@ def check_async(config, plan) -> None:
 
 def build_sampler(config, rank: int, world_size: int, dist_address: str | None):
     """The ``sampler`` role: the registered sampler built from the mode's params."""
-    params = AsyncParams.model_validate(config.mode_params)
+    params = registry("mode").get(config.mode).Params.model_validate(config.mode_params)
     generate = next(s for s in config.stages if s.kind == "generate")
     cls = registry("sampler").get(params.sampler)
     filter_groups = any(s.kind == "filter_groups" for s in config.stages)
@@ -139,7 +139,7 @@ class AsyncMode(Mode):
     def collect(self, step: int, timeout: float) -> int:
         """Finished groups from every replica → generation-side nodes (reward) → the buffer."""
         start = time.time()
-        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", 0, timeout) if t.num_rows]
+        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", 1, timeout) if t.num_rows]
         if not parts:
             return 0
         table = pa.concat_tables(parts)

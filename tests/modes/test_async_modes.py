@@ -1,0 +1,107 @@
+"""Async modes, run inline (real stages, real rollout service thread, real replay buffer; no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import quickstart_raw
+from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.plan import build_plan
+from rlpipe.engine.runtime import run_pipeline
+from rlpipe.errors import ConfigError, PlanError
+
+from test_sync_mode import Recorder
+
+COMPARED = ["uid", "sample_index", "prompt_ids", "response_ids", "rollout_logprobs", "token_versions",
+            "reward", "advantages", "old_logprobs"]
+
+
+def _raw(mode: str, steps: int = 3, mode_params: dict | None = None, guard: bool = True, **gen) -> dict:
+    raw = quickstart_raw(mode=mode, mode_params=mode_params or {}, data={"prompts_per_step": 4},
+                         trainer={"total_steps": steps})
+    stages = []
+    for stage in raw["stages"]:
+        if stage["kind"] == "generate":
+            stage = {**stage, "params": {**stage["params"], "n": 4, **gen}}
+        if stage["kind"] == "balance" and guard:
+            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
+        stages.append(stage)
+    raw["stages"] = stages
+    return raw
+
+
+def _run(raw: dict, tmp_path) -> Recorder:
+    raw["trainer"] = {**raw["trainer"], "output_dir": str(tmp_path)}
+    raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
+    rec = Recorder()
+    run_pipeline(validate_config(raw), "", observer=rec, inline=True)
+    return rec
+
+
+@pytest.fixture(scope="module")
+def sync_reference(tmp_path_factory):
+    return _run(_raw("sync", guard=False), tmp_path_factory.mktemp("sync"))
+
+
+@pytest.mark.parametrize("mode,params", [
+    ("separate_async", {"max_off_policy_threshold": 1, "strategy": "wait"}),
+    ("colocate_async", {"overlap": False}),
+])
+def test_zero_staleness_async_equals_sync(mode, params, sync_reference, tmp_path):
+    rec = _run(_raw(mode, mode_params=params), tmp_path)
+    for step, expected in sync_reference.batches.items():
+        got = rec.batches[step]
+        for column in COMPARED:
+            assert got.column(column).equals(expected.column(column)), (step, column)
+        for key in ("actor/pg_loss", "actor/grad_norm"):
+            assert rec.metrics[step][key] == pytest.approx(sync_reference.metrics[step][key], rel=1e-6, abs=1e-9)
+
+
+def test_colocate_overlap_keeps_versions_within_one_push(tmp_path):
+    rec = _run(_raw("colocate_async", steps=4, max_tokens=8), tmp_path)
+    for step, batch in rec.batches.items():
+        versions = set(np.concatenate(batch.column("token_versions").to_numpy(zero_copy_only=False)).tolist())
+        # generated during step-1 (version step-1) and, after its push, resumed on version step
+        assert versions <= {max(step - 1, 0), step}, (step, versions)
+        assert rec.metrics[step]["staleness_guard/staleness/max"] <= 2
+        assert rec.metrics[step]["staleness_guard/version_lag/max"] <= 1
+
+
+LONG_TAIL = {"max_tokens": 24, "ignore_eos": True, "length_distribution": "pareto", "pareto_alpha": 1.1,
+             "min_tokens": 1}
+
+
+def _consumed_staleness(rec: Recorder) -> list[int]:
+    out = []
+    for step, batch in rec.batches.items():
+        out.extend((step - batch.column("prompt_step").to_numpy() + 1).tolist())
+    return out
+
+
+def test_drop_never_consumes_beyond_the_threshold_on_a_long_tail(tmp_path):
+    params = {"max_off_policy_threshold": 2, "strategy": "drop", "capacity_steps": 3}
+    rec = _run(_raw("separate_async", steps=6, mode_params=params, **LONG_TAIL), tmp_path)
+    assert max(_consumed_staleness(rec)) <= 2
+    for step, batch in rec.batches.items():
+        lag = step - min(np.concatenate(batch.column("token_versions").to_numpy(zero_copy_only=False)))
+        assert lag <= 2  # a token is never older than the prompt's submission
+
+
+def test_wait_never_drops_and_stays_within_the_threshold(tmp_path):
+    params = {"max_off_policy_threshold": 2, "strategy": "wait", "capacity_steps": 3}
+    rec = _run(_raw("separate_async", steps=6, mode_params=params, **LONG_TAIL), tmp_path)
+    assert max(_consumed_staleness(rec)) <= 2
+    assert all(m["sampler/evicted_stale_total"] == 0 for m in rec.metrics.values())
+
+
+def test_async_mode_without_a_guard_is_a_plan_error():
+    with pytest.raises(PlanError, match="needs a staleness_guard stage"):
+        build_plan(validate_config(_raw("separate_async", guard=False)))
+
+
+def test_separate_async_batch_arithmetic_says_what_to_set():
+    raw = _raw("separate_async")
+    raw["trainer"] = {**raw["trainer"], "parameter_sync_step": 2, "ppo_mini_batch_size": 1}
+    with pytest.raises(ConfigError, match="parameter_sync_step=2 must equal|set trainer.ppo_mini_batch_size=2"):
+        build_plan(validate_config(raw))
