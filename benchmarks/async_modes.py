@@ -82,12 +82,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--poll", type=float, default=0.05, help="separate_async collection wait (s)")
     args = parser.parse_args()
     results = {
         "sync": run_mode("sync", args.steps, args.warmup, {}),
         "colocate_async": run_mode("colocate_async", args.steps, args.warmup, {}),
         "separate_async": run_mode("separate_async", args.steps, args.warmup,
-                                   {"max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2}),
+                                   {"max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2,
+                                    "poll_s": args.poll}),
     }
     import ray
 

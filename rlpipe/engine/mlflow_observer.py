@@ -128,7 +128,11 @@ class MLflowObserver:
         """Tracking errors survived since the run started (also logged as warnings)."""
         self._node_runs: dict[str, str] = {}
         self._node_hash: dict[str, str] = {}
-        self._records: dict[int, dict[str, NodeRecord]] = {}  # step → node → latest record
+        # step → (node, start time) → record: a node may run several times in one step
+        # (DAPO refill rounds, continuous generation in the async modes)
+        self._records: dict[int, dict[tuple[str, float], NodeRecord]] = {}
+        self._trajectory_lineage: list[pa.Table] = []
+        self._earlier_attempt: set[int] = set()  # steps whose records come from before a resume
         self._lineage_dirty = False
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
@@ -169,18 +173,33 @@ class MLflowObserver:
         with self._lock:
             if not self._accepting("on_node_end"):
                 return
-            self._records.setdefault(record.step, {})[record.node] = record
+            if record.step in self._earlier_attempt:  # a resumed run re-runs this step: its records replace the old
+                self._earlier_attempt.discard(record.step)
+                self._records.pop(record.step, None)
+            self._records.setdefault(record.step, {})[(record.node, record.start_time)] = record
             self._lineage_dirty = True
             self._guard(f"logging node {record.node!r} step {record.step}", self._log_node, record)
 
-    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None) -> None:
+    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None,
+                    trajectory_lineage: Any | None = None) -> None:
         with self._lock:
             if not self._accepting("on_step_end"):
                 return
             self._guard(f"logging step {step} metrics", self._log_step_metrics, step, metrics)
             if trajectories is not None and self.tracking.sample_trajectories:
                 self._guard(f"logging step {step} trajectories", self._log_trajectories, step, trajectories)
+            if trajectory_lineage is not None:
+                self._trajectory_lineage.append(trajectory_lineage)
+                self._guard("writing the trajectory lineage", self._write_trajectory_lineage)
             self._guard("writing the lineage table", self._write_lineage)
+
+    def _write_trajectory_lineage(self) -> None:
+        """Every consumed trajectory: its versions and the step that consumed it (``lineage/trajectories.parquet``)."""
+        folder = self._tmp / "lineage"
+        folder.mkdir(exist_ok=True)
+        path = folder / "trajectories.parquet"
+        pq.write_table(pa.concat_tables(self._trajectory_lineage), path)
+        self.client.log_artifact(self.run_id, str(path), "lineage")
 
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """Log a file (to ``<artifact_path>/<name>``) or a directory (its contents to ``artifact_path``, default its name).
@@ -264,7 +283,8 @@ class MLflowObserver:
         except runs.RunNotFoundError:
             return  # the run died before its first step end
         for r in table_to_records(table):
-            self._records.setdefault(r.step, {})[r.node] = r
+            self._records.setdefault(r.step, {})[(r.node, r.start_time)] = r
+        self._earlier_attempt = set(self._records)
 
     # -- per node / per step -------------------------------------------------------------------
 
@@ -336,7 +356,8 @@ class MLflowObserver:
             except (TypeError, ValueError):
                 log.debug("step metric %r is not a number (%r); skipped", k, v)
         for r in self._records.get(step, {}).values():
-            values.setdefault(_key(f"timing/{r.node}"), float(r.duration_s))
+            key = _key(f"timing/{r.node}")
+            values[key] = values.get(key, 0.0) + float(r.duration_s)  # summed over repeated runs
             # Headline fallback: the reward stage's own mean when the engine did not pass one.
             if "reward/mean" in r.metrics:
                 values.setdefault("reward/mean", float(r.metrics["reward/mean"]))

@@ -58,8 +58,10 @@ class Observer(Protocol):
         """Called after every node execution."""
         ...
 
-    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None) -> None:
-        """Called after every global step with headline metrics and (optionally) a pyarrow table of sampled trajectories."""
+    def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None,
+                    trajectory_lineage: Any | None = None) -> None:
+        """Called after every global step with headline metrics, (optionally) a pyarrow table of sampled
+        trajectories, and the lineage of every consumed trajectory (uid, versions, consuming step)."""
         ...
 
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
@@ -82,7 +84,7 @@ class NullObserver:
     def on_node_end(self, record: NodeRecord) -> None:
         pass
 
-    def on_step_end(self, step, metrics, trajectories) -> None:
+    def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None) -> None:
         pass
 
     def on_artifact(self, local_path, artifact_path=None) -> None:

@@ -20,6 +20,7 @@ import pyarrow as pa
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.data import PromptLoader
 from rlpipe.engine.executor import Backend, StepExecutor
+from rlpipe.engine.lineage import trajectory_lineage
 from rlpipe.engine.inline import InlineBackend
 from rlpipe.engine.observer import NullObserver, Observer
 from rlpipe.engine.plan import Plan, build_plan
@@ -78,7 +79,7 @@ class Runtime:
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
         sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
-        self.observer.on_step_end(step, headline, sample)
+        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
         self.last_metrics = headline
         every = self.config.trainer.save_every
         if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:

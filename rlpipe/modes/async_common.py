@@ -136,10 +136,13 @@ class AsyncMode(Mode):
                                           self.gen_params, seed, rank=replica)
         return pending.num_rows
 
-    def collect(self, step: int, timeout: float) -> int:
-        """Finished groups from every replica → generation-side nodes (reward) → the buffer."""
+    def collect(self, step: int, timeout: float, min_groups: int = 1) -> int:
+        """Finished groups from every replica → generation-side nodes (reward) → the buffer.
+
+        Waits up to ``timeout`` for ``min_groups`` per replica, so rewards are computed on
+        batches rather than group by group (each round costs a task and a few actor calls)."""
         start = time.time()
-        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", 1, timeout) if t.num_rows]
+        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", min_groups, timeout) if t.num_rows]
         if not parts:
             return 0
         table = pa.concat_tables(parts)

@@ -52,7 +52,7 @@ class SeparateAsyncMode(AsyncMode):
                     batch = self.sampler("sample", groups, step)
                     if batch is not None:
                         break
-                    self.collect(step, self.params.poll_s)
+                    self.collect(step, self.params.poll_s, max(1, groups // self.replicas))
                 self.train(step, batch, time.time() - waited, bound)
         finally:
             self.stop_pool()

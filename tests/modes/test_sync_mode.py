@@ -17,14 +17,15 @@ class Recorder(NullObserver):
     """Keeps every node record and every step's full final batch."""
 
     def __init__(self):
-        self.records, self.batches, self.metrics = [], {}, {}
+        self.records, self.batches, self.metrics, self.trajectory_lineage = [], {}, {}, {}
 
     def on_node_end(self, record):
         self.records.append(record)
 
-    def on_step_end(self, step, metrics, trajectories):
+    def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
         self.batches[step] = trajectories
         self.metrics[step] = metrics
+        self.trajectory_lineage[step] = trajectory_lineage
 
 
 def _run(raw, tmp_path) -> Recorder:
