@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import os
 from datetime import timedelta
 from typing import Any, Callable
@@ -120,12 +121,17 @@ class TrainState:
         clip = self.config.trainer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
         lr = self.scheduler.get_last_lr()[0]
-        if torch.isfinite(grad_norm):
+        stepped = bool(torch.isfinite(grad_norm))
+        if stepped:
             self.optimizer.step()
         else:
             log.warning("non-finite grad norm %s at local update %d: update skipped", grad_norm, self.local_updates)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # a skipped update still counts in the schedule (it counts local updates); torch warns about that order
+            if not stepped:
+                warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         self.local_updates += 1
         return {"grad_norm": float(grad_norm), "lr": lr}
 
