@@ -3,6 +3,7 @@
 # Stage implementations (each module registers with rlpipe.stage.stage).
 import rlpipe.stages.generate  # noqa: F401
 import rlpipe.stages.reward  # noqa: F401
+import rlpipe.stages.remax_baseline  # noqa: F401
 import rlpipe.stages.balance  # noqa: F401
 import rlpipe.stages.logprobs  # noqa: F401
 import rlpipe.stages.advantage  # noqa: F401
