@@ -58,6 +58,8 @@ class StepExecutor:
         self.base_extras = {"temperature": float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0}
         self.carry: dict[str, dict[str, Any]] = {}
         """Per node: the state its last execution handed forward (StageResult.carry)."""
+        self.before_node: list[Callable[[PlannedNode, int], None]] = []
+        """Mode hooks called before each node (e.g. release the rollout engine before the update)."""
         self.after_node: list[Callable[[PlannedNode, int], None]] = []
         """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
 
@@ -80,6 +82,8 @@ class StepExecutor:
         ctx = StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
                            dp_size=self.dp_size, extras={**self.base_extras, **extras},
                            carry=dict(self.carry.get(node.name, {})))
+        for hook in self.before_node:
+            hook(node, step)
         start = time.time()
         try:
             result = self._dispatch(node, table, ctx)

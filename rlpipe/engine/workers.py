@@ -47,6 +47,7 @@ class RolloutState:
         self.tokenizer = build_tokenizer(config.tokenizer)
         model = build_model(config.model, self.tokenizer, config.seed)
         self.engine = RolloutEngine(model, self.tokenizer)
+        self._released_aborted = 0
 
     def load_weights(self, buckets, version: int) -> int:
         self.engine.load_weights(buckets, version)
@@ -55,15 +56,28 @@ class RolloutState:
     def push_weights(self, buckets, version: int) -> int:
         """Weight-push boundaries 0, 3, 4: quiesce (abort in-flight requests), load, resume.
 
-        With a running rollout service the aborted partial trajectories resume on the new
-        weights (partial rollout); without one the engine is idle (sync) and simply loads.
-        Returns the number of aborted requests."""
+        With a rollout service the aborted partial trajectories resume on the new
+        weights (partial rollout), also after ``release_for_training``; without one the
+        engine is idle (sync) and simply loads. Returns the number of aborted requests."""
         self.engine.wake()
-        if getattr(self, "_service", None) is not None:
-            return self._service.push_weights(buckets, version)
-        aborted = self.engine.abort_all()
-        self.engine.load_weights(buckets, version)
-        return len(aborted)
+        service = getattr(self, "_service", None)
+        if service is None:
+            aborted = len(self.engine.abort_all())
+            self.engine.load_weights(buckets, version)
+            return aborted
+        aborted = service.pause() + self._released_aborted
+        self._released_aborted = 0
+        service.load_weights(buckets, version)
+        service.resume()
+        return aborted
+
+    def release_for_training(self) -> int:
+        """Shared devices (colocate_async): abort in-flight requests (kept, resumed at the next
+        push) and free the engine's weights while the trainer updates; returns the aborted count."""
+        aborted = self.service().pause()
+        self.engine.sleep(discard_weights=True)
+        self._released_aborted += aborted  # reported by the next push, which resumes them
+        return aborted
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -1,10 +1,12 @@
-"""``colocate_async`` mode: generation of step k+1 overlaps the training of step k.
+"""``colocate_async`` mode: generation of step k+1 overlaps the tail of step k.
 
 As soon as step k's batch is complete, the prompts of step k+1 are submitted to
-the rollout engine, which generates them with version k while the trainer
-trains on step k. At step k's weight push the in-flight requests are aborted,
-version k+1 is loaded, and they resume (partial rollout): a trajectory can carry
-tokens of versions k and k+1, never older. So the version lag is ≤ 1 and, with
+the rollout engine, which generates them with version k while step k's reward,
+old_log_prob, ref and advantage nodes run. Rollout and training share the
+devices, so before the update the engine aborts its in-flight requests (keeping
+their partial tokens) and releases its memory; at step k's weight push version
+k+1 is loaded and they resume (partial rollout): a trajectory can carry tokens
+of versions k and k+1, never older. So the version lag is ≤ 1 and, with
 prompts submitted during step k and consumed at step k+1, the staleness
 (consuming − submission step + 1) is ≤ 2 — checked by the guard each step.
 ``overlap: false`` submits step k's prompts only at step k, which is the sync
@@ -30,6 +32,11 @@ class ColocateAsyncParams(AsyncParams):
     """Structural: 2 with overlap (prompts of step k+1 are submitted during step k), 1 without."""
     strategy: str = "wait"
     """Nothing is ever dropped: every submitted batch is consumed at the next step."""
+    release_memory_during_update: bool = True
+    """Shared devices: before the update, abort in-flight generation (resumed after the push) and
+    free the engine's weights, so generation overlaps only the tail before the update (reward,
+    old_log_prob, ref, advantage). False keeps generating through the update (more overlap,
+    which only separate devices can afford)."""
 
 
 @registry("mode").register("colocate_async")
@@ -41,6 +48,15 @@ class ColocateAsyncMode(AsyncMode):
     @classmethod
     def check(cls, config, plan) -> None:
         check_async(config, plan)
+
+    def __init__(self, runtime, params: ColocateAsyncParams):
+        super().__init__(runtime, params)
+        if params.overlap and params.release_memory_during_update:
+            runtime.executor.before_node.append(self._release_before_update)
+
+    def _release_before_update(self, node, step) -> None:
+        if node.kind == "update":
+            self.runtime.workers.call("rollout", "release_for_training")
 
     def run(self) -> None:
         rt = self.runtime

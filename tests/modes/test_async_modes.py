@@ -105,3 +105,20 @@ def test_separate_async_batch_arithmetic_says_what_to_set():
     raw["trainer"] = {**raw["trainer"], "parameter_sync_step": 2, "ppo_mini_batch_size": 1}
     with pytest.raises(ConfigError, match="parameter_sync_step=2 must equal|set trainer.ppo_mini_batch_size=2"):
         build_plan(validate_config(raw))
+
+
+def test_colocate_releases_the_engine_for_the_update_and_resumes_partial_rollouts(tmp_path):
+    # long responses (32-64 tokens) are still being generated when step k reaches its update
+    raw = _raw("colocate_async", steps=3, max_tokens=64, ignore_eos=True, length_distribution="pareto",
+               min_tokens=32)
+    raw["model"]["architecture"]["max_position_embeddings"] = 128
+    rec = _run(raw, tmp_path)
+    pushes = [r for r in rec.records if r.kind == "weight_sync"]
+    # aborted before the update (engine released), resumed by the push on the new version
+    assert sum(r.metrics["weight_sync/aborted_requests"] for r in pushes) > 0
+    spanning = 0
+    for step, batch in rec.batches.items():
+        for versions in batch.column("token_versions").to_pylist():
+            assert versions == sorted(versions) and set(versions) <= {max(step - 1, 0), step}
+            spanning += len(set(versions)) == 2
+    assert spanning > 0, "some trajectory was aborted before an update and resumed on the new weights"
