@@ -87,6 +87,8 @@ def main() -> None:
     results = {
         "sync": run_mode("sync", args.steps, args.warmup, {}),
         "colocate_async": run_mode("colocate_async", args.steps, args.warmup, {}),
+        "colocate_async (no release)": run_mode("colocate_async", args.steps, args.warmup,
+                                                {"release_memory_during_update": False}),
         "separate_async": run_mode("separate_async", args.steps, args.warmup,
                                    {"max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2,
                                     "poll_s": args.poll}),

@@ -53,6 +53,8 @@ class SeparateAsyncMode(AsyncMode):
                     if batch is not None:
                         break
                     self.collect(step, self.params.poll_s, max(1, groups // self.replicas))
+                # replace the consumed groups before training, so the pool has work while the driver is busy
+                self.submit(step, self.sampler("refill_needed", step))
                 self.train(step, batch, time.time() - waited, bound)
         finally:
             self.stop_pool()
