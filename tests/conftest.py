@@ -13,6 +13,16 @@ import yaml
 # Two cores: one intra-op thread per process avoids oversubscription (seconds → milliseconds).
 torch.set_num_threads(1)
 
+
+@torch.no_grad()
+def eval_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``model`` in eval mode (its train/eval mode is restored)."""
+    was = model.training
+    model.eval()
+    out = model(input_ids=input_ids).logits
+    model.train(was)
+    return out
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -17,15 +17,6 @@ TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
 PROMPTS = ["1+2=", "abc de", "9", "h 77 + 1 ="]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core box run many times faster without intra-op threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def model(seed=0):
     arch = ArchitectureConfig(
         hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64

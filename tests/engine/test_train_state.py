@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import eval_logits
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import load_buckets
@@ -26,13 +27,8 @@ def config(**trainer) -> PipelineConfig:
                           data=DataConfig(prompts_per_step=4), trainer=TrainerConfig(**trainer), stages=[])
 
 
-@torch.no_grad()
 def logits(model) -> torch.Tensor:
-    was = model.training
-    model.eval()
-    out = model(input_ids=IDS).logits
-    model.train(was)
-    return out
+    return eval_logits(model, IDS)
 
 
 def some_training(state: TrainState) -> None:

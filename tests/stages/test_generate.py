@@ -20,15 +20,6 @@ from rlpipe.stages.generate import GenerateParams, generate
 TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matmuls on a shared 2-core box run many times faster without intra-op threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def worker(version=0):
     arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
     model = build_model(ModelConfig(architecture=arch), TOK, seed=0)

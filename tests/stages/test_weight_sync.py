@@ -4,6 +4,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from conftest import eval_logits
 from rlpipe.backends.engine import EngineError, GenerationRequest, SamplingParams
 from rlpipe.engine.inline import LocalWorkerCalls
 from rlpipe.engine.train_state import TrainState
@@ -37,13 +38,8 @@ def push(workers, step=0):
     return result.metrics
 
 
-@torch.no_grad()
 def logits(model) -> torch.Tensor:
-    was = model.training
-    model.eval()
-    out = model(input_ids=IDS).logits
-    model.train(was)
-    return out
+    return eval_logits(model, IDS)
 
 
 def train_one_step(trainer: TrainState) -> None:
