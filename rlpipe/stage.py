@@ -89,7 +89,7 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     carry: dict[str, Any] = field(default_factory=dict)
     """State handed to this node's next execution as ``ctx.carry`` (e.g. an adaptive KL
-    coefficient); the engine keeps and checkpoints it, so stages stay stateless."""
+    coefficient); the engine keeps it between steps, so stages stay stateless."""
 
 
 @dataclass

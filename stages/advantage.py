@@ -14,7 +14,7 @@ token (verl's ``apply_kl_penalty``; reads ``old_logprobs`` and ``ref_logprobs``)
 The adaptive controller's coefficient is carried across steps by the engine:
 the stage uses the coefficient it carried from its previous step (``ctx.carry``,
 else ``kl_ctrl.kl_coef``) and carries the next one forward (``StageResult.carry``,
-checkpointed by the engine); both are reported as metrics.
+kept by the engine between steps); both are reported as metrics.
 """
 
 from __future__ import annotations
