@@ -62,3 +62,16 @@ def test_empty_batch_and_contract():
     assert spec.write_columns(StalenessGuardParams()) == {} and spec.placement == "task"
     with pytest.raises(ValueError):
         StalenessGuardParams(max_staleness=0)
+
+
+
+def test_version_lag_beyond_the_bound_names_the_cause():
+    lagging = pa.table({
+        "uid": ["a", "b"], "prompt_step": pa.array([4, 4], pa.int32()),
+        "token_versions": pa.array([[3, 4], [4]], pa.list_(pa.int32())), "status": ["ok", "ok"],
+    })  # fmt: skip
+    strict = StageContext(step=5, seed=0, policy_version=5, extras={"max_staleness": 2, "max_version_lag": 1})
+    with pytest.raises(StageError, match=r"2 versions behind the trainer's 5 \(bound 1\)"):
+        staleness_guard(lagging, StalenessGuardParams(), strict)
+    loose = StageContext(step=5, seed=0, policy_version=5, extras={"max_staleness": 2, "max_version_lag": 2})
+    assert staleness_guard(lagging, StalenessGuardParams(), loose).metrics["staleness_guard/version_lag/max"] == 2.0
