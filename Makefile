@@ -24,7 +24,8 @@ test: setup
 	$(VENV)/bin/python -m pytest
 
 bench: setup
-	$(VENV)/bin/python benchmarks/engine_overhead.py
+	$(VENV)/bin/python benchmarks/engine_overhead.py --steps 30 --warmup 3
+	$(VENV)/bin/python benchmarks/async_modes.py --steps 20 --warmup 3
 
 clean:
 	rm -rf $(VENV) mlruns mlflow.db outputs
