@@ -108,9 +108,9 @@ def test_separate_async_batch_arithmetic_says_what_to_set():
 
 
 def test_colocate_releases_the_engine_for_the_update_and_resumes_partial_rollouts(tmp_path):
-    # long responses (32-64 tokens) are still being generated when step k reaches its update
-    raw = _raw("colocate_async", steps=3, max_tokens=64, ignore_eos=True, length_distribution="pareto",
-               min_tokens=32)
+    # long responses (64-120 tokens) are still being generated when step k reaches its update
+    raw = _raw("colocate_async", steps=3, max_tokens=120, ignore_eos=True, length_distribution="pareto",
+               min_tokens=64)
     raw["model"]["architecture"]["max_position_embeddings"] = 128
     rec = _run(raw, tmp_path)
     pushes = [r for r in rec.records if r.kind == "weight_sync"]
