@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("pipeline", help="path of the pipeline YAML")
         cmd.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. -o trainer.total_steps=5 -o stages.update.params.clip_ratio=0.1")
+    sub.choices["run"].add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
+                                    help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.pipeline, args.override)
         if args.command == "run":
-            return _run(args.pipeline, args.override)
+            return _run(args.pipeline, args.override, args.resume)
         return _stages()
     except RlpipeError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
@@ -54,7 +56,7 @@ def _validate(path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _run(path: str, overrides: list[str]) -> int:
+def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlpipe.engine.config_io import load_pipeline
@@ -69,7 +71,7 @@ def _run(path: str, overrides: list[str]) -> int:
             reward = metrics.get("reward/mean", float("nan"))
             progress.update(task, completed=step + 1, status=f"reward/mean {reward:.3f}")
 
-        result = run_pipeline(config, text, on_step=on_step)
+        result = run_pipeline(config, text, on_step=on_step, resume_from=resume)
     out = Console()
     out.print(f"[bold green]done[/]: {result.steps} steps, final reward/mean "
               f"{result.final_metrics.get('reward/mean', float('nan')):.3f}")

@@ -140,6 +140,9 @@ class TrainerConfig(Strict):
     """Optimizer settings."""
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
     """Learning-rate schedule."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N> (0 = never);
+    `rlpipe run PIPELINE --resume that/folder` continues the run, in the same MLflow run."""
     save_every: int = Field(0, ge=0)
     """Save the policy as a HF model directory every N steps (0 = only at the end)."""
     output_dir: str = "outputs"

@@ -40,6 +40,30 @@ def ray_session():
     ray.shutdown()
 
 
+class Recorder:
+    """An observer that keeps every node record and every step's full final batch (for tests)."""
+
+    def __init__(self):
+        self.records, self.batches, self.metrics, self.trajectory_lineage = [], {}, {}, {}
+
+    def on_run_start(self, config, pipeline_yaml, plan_summary) -> str:
+        return "recorded-run"
+
+    def on_node_end(self, record):
+        self.records.append(record)
+
+    def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
+        self.batches[step] = trajectories
+        self.metrics[step] = metrics
+        self.trajectory_lineage[step] = trajectory_lineage
+
+    def on_artifact(self, local_path, artifact_path=None):
+        pass
+
+    def on_run_end(self, status, error=None):
+        self.status = status
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.engine import checkpoint
 from rlpipe.engine.data import PromptLoader
 from rlpipe.engine.executor import Backend, StepExecutor
 from rlpipe.engine.lineage import trajectory_lineage
@@ -84,6 +85,9 @@ class Runtime:
         every = self.config.trainer.save_every
         if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:
             self.save_model(f"step_{step + 1}")
+        every = self.config.trainer.checkpoint_every
+        if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:
+            checkpoint.save(self, step + 1)
         if self.on_step:
             self.on_step(step, headline)
 
@@ -97,23 +101,26 @@ class Runtime:
         self.backend.shutdown()
 
 
-def make_observer(config: PipelineConfig) -> Observer:
+def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
     from rlpipe.engine.mlflow_observer import MLflowObserver
 
-    return MLflowObserver(config.tracking, config.name)
+    return MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id)
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
                  on_step: Callable[[int, dict[str, float]], None] | None = None,
-                 observer: Observer | None = None, inline: bool = False) -> RunResult:
+                 observer: Observer | None = None, inline: bool = False,
+                 resume_from: str | None = None) -> RunResult:
     """Plan, start, run every step, save the final model; returns where things are.
 
     ``inline=True`` runs every stage in this process (no Ray): for benchmarks and tests.
+    ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
     """
     plan = build_plan(config)
-    observer = observer or make_observer(config)
+    resumed = checkpoint.read_engine_state(resume_from) if resume_from else None
+    observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None
     started = time.time()
@@ -126,6 +133,8 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
             init_ray(config.resources.ray_address, config.resources.num_cpus)
             backend = RayBackend.start(config, roles)
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
+        if resumed:
+            checkpoint.restore(runtime, resume_from, resumed)
         mode = mode_cls(runtime, plan.mode_params)
         mode.run()
         runtime.save_model("final")

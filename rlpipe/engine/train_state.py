@@ -166,6 +166,15 @@ class TrainState:
             "rng": torch.get_rng_state(),
         }
 
+    def save_checkpoint(self, prefix: str) -> str:
+        """Write this rank's state to ``<prefix>_rank<r>.pt``."""
+        path = f"{prefix}_rank{self.rank}.pt"
+        torch.save(self.state_dict(), path)
+        return path
+
+    def load_checkpoint(self, prefix: str) -> None:
+        self.load_state_dict(torch.load(f"{prefix}_rank{self.rank}.pt", weights_only=False))
+
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

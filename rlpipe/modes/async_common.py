@@ -28,6 +28,10 @@ from rlpipe.stage import StageContext, StageParams
 from rlpipe.stages.generate import generation_seed
 
 
+ALL_PENDING = 1 << 30
+"""next_pending() argument meaning "every pending prompt"."""
+
+
 class AsyncParams(StageParams):
     """Params shared by the async modes."""
 
@@ -120,15 +124,15 @@ class AsyncMode(Mode):
 
     # --- rollout side ------------------------------------------------------------------------
     def submit(self, step: int, count: int) -> int:
-        """Draw ``count`` prompts at ``step`` into the buffer and dispatch them to the replicas."""
-        if count <= 0:
-            return 0
-        draw = self.draws_at_step.get(step, 0)
-        self.draws_at_step[step] = draw + 1
-        # the first draw of a step gets the sync mode's uids, so a zero-overlap run equals sync
-        prompts = self.runtime.loader.next_batch(step, count, uid_prefix="" if draw == 0 else f"d{draw}:")
-        self.sampler("add_prompts", prompts, step)
-        pending = self.sampler("next_pending", count)
+        """Draw ``count`` prompts at ``step`` into the buffer, then dispatch every pending prompt
+        (the new ones, and prompts re-issued by a resume) to the replicas; returns how many."""
+        if count > 0:
+            draw = self.draws_at_step.get(step, 0)
+            self.draws_at_step[step] = draw + 1
+            # the first draw of a step gets the sync mode's uids, so a zero-overlap run equals sync
+            prompts = self.runtime.loader.next_batch(step, count, uid_prefix="" if draw == 0 else f"d{draw}:")
+            self.sampler("add_prompts", prompts, step)
+        pending = self.sampler("next_pending", ALL_PENDING)
         for replica, rows in enumerate(np.array_split(np.arange(pending.num_rows), self.replicas)):
             if len(rows):
                 seed = generation_seed(StageContext(step=step, seed=self.runtime.config.seed, dp_rank=replica))

@@ -64,17 +64,17 @@ class ColocateAsyncMode(AsyncMode):
         bound = 2 if self.params.overlap else 1
         total = rt.config.trainer.total_steps
         try:
-            self.submit(rt.start_step, groups)
+            in_buffer = sum(self.sampler("counts").values())  # > 0 after a resume: re-issued prompts
+            self.submit(rt.start_step, max(0, groups - in_buffer))
             for step in range(rt.start_step, total):
                 waited = time.time()
                 while (batch := self.sampler("sample", groups, step)) is None:
                     self.collect(step, self.params.poll_s)
-                if not self.params.overlap and step + 1 < total:
-                    pass  # the next batch is submitted after this step's push (below)
-                elif step + 1 < total:
-                    self.submit(step, groups)  # generated now, on version `step`, during training
+                last = step + 1 == total
+                if self.params.overlap and not last:
+                    self.submit(step, groups)  # generated now, on version `step`, during this step's tail
                 self.train(step, batch, time.time() - waited, bound)
-                if not self.params.overlap and step + 1 < total:
-                    self.submit(step + 1, groups)
+                if not self.params.overlap and not last:
+                    self.submit(step + 1, groups)  # strict alternation: after this step's push
         finally:
             self.stop_pool()

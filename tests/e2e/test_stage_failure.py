@@ -51,3 +51,29 @@ def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_pa
     assert [r["node"] for r in lineage if r["step"] == 1] == [
         "generate", "reward", "balance", "old_log_prob", "advantage", "update",
     ]
+
+
+def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(ray_session, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    raw = quickstart_raw(
+        name="e2e-resume", data={"prompts_per_step": 4},
+        trainer={"total_steps": 3, "output_dir": str(tmp_path / "out"), "checkpoint_every": 1},
+        tracking={"uri": uri, "experiment": "rlpipe-resume"},
+    )
+    broken = dict(raw, stages=[
+        {**s, "impl": "breaks_at_step_1"} if s["kind"] == "weight_sync" else s for s in raw["stages"]
+    ])
+    with pytest.raises(StageError):
+        run_pipeline(validate_config(broken), "name: e2e-resume\n")
+    run_id = runs.latest_run(uri, "rlpipe-resume").info.run_id
+    checkpoint = next((tmp_path / "out").glob("e2e-resume-*/checkpoints/step_1"))
+
+    result = run_pipeline(validate_config(raw), "name: e2e-resume\n", resume_from=str(checkpoint))
+    assert result.run_id == run_id
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward/mean")) == [0, 1, 2]
+    lineage = runs.lineage_table(run_id, uri).to_pylist()
+    # step 1's partial records of the failed attempt were replaced by the resumed run's
+    assert [r["node"] for r in lineage if r["step"] == 1].count("generate") == 1
+    assert {r["step"] for r in lineage} == {0, 1, 2}

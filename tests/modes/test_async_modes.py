@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import quickstart_raw
+from conftest import Recorder, quickstart_raw
 from rlpipe.engine.config_io import validate_config
 from rlpipe.engine.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError, PlanError
 
-from test_sync_mode import Recorder
 
 COMPARED = ["uid", "sample_index", "prompt_ids", "response_ids", "rollout_logprobs", "token_versions",
             "reward", "advantages", "old_logprobs"]

@@ -6,12 +6,11 @@ import math
 
 import pytest
 
-from conftest import quickstart_raw
+from conftest import Recorder, quickstart_raw
 from rlpipe.engine.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.registry import registry
 
-from test_sync_mode import Recorder
 
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "remax", "opo", "gpg"]

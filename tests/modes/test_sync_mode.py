@@ -5,27 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import quickstart_raw
+from conftest import Recorder, quickstart_raw
 from rlpipe.engine.config_io import validate_config
-from rlpipe.engine.observer import NullObserver
 from rlpipe.engine.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError, RlpipeError
-
-
-class Recorder(NullObserver):
-    """Keeps every node record and every step's full final batch."""
-
-    def __init__(self):
-        self.records, self.batches, self.metrics, self.trajectory_lineage = [], {}, {}, {}
-
-    def on_node_end(self, record):
-        self.records.append(record)
-
-    def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
-        self.batches[step] = trajectories
-        self.metrics[step] = metrics
-        self.trajectory_lineage[step] = trajectory_lineage
 
 
 def _run(raw, tmp_path) -> Recorder:

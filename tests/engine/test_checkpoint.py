@@ -1,0 +1,80 @@
+"""Checkpoint and resume: a run interrupted after step 2 and resumed equals the uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Recorder, quickstart_raw
+from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.runtime import run_pipeline
+from rlpipe.errors import ConfigError
+
+
+
+def _config(tmp_path: Path, steps: int, **trainer):
+    raw = quickstart_raw(data={"prompts_per_step": 4},
+                         trainer={"total_steps": steps, "output_dir": str(tmp_path), **trainer})
+    raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
+    raw["stages"].insert(4, {"kind": "ref", "impl": "reference"})
+    raw["stages"][-2]["params"] = {**raw["stages"][-2]["params"], "use_kl_loss": True}
+    return validate_config(raw)
+
+
+def _final_weights(result) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(result.output_dir) / "final", local_files_only=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
+    straight = Recorder()
+    straight_result = run_pipeline(_config(tmp_path / "a", 4), "", observer=straight, inline=True)
+
+    first = Recorder()
+    first_result = run_pipeline(_config(tmp_path / "b", 4, checkpoint_every=2), "", observer=first, inline=True)
+    checkpoint = Path(first_result.output_dir) / "checkpoints" / "step_2"
+    assert (checkpoint / "engine.pkl").is_file() and (checkpoint / "actor_rank0.pt").is_file()
+
+    resumed = Recorder()
+    resumed_result = run_pipeline(_config(tmp_path / "c", 4), "", observer=resumed, inline=True,
+                                  resume_from=str(checkpoint))
+    assert sorted(resumed.batches) == [2, 3]
+    for step in (2, 3):
+        for column in ("uid", "response_ids", "reward", "advantages", "old_logprobs", "token_versions"):
+            assert resumed.batches[step].column(column).equals(straight.batches[step].column(column)), (step, column)
+        assert resumed.metrics[step]["actor/grad_norm"] == pytest.approx(straight.metrics[step]["actor/grad_norm"])
+        assert resumed.metrics[step]["policy_version"] == straight.metrics[step]["policy_version"]
+    a, b = _final_weights(straight_result), _final_weights(resumed_result)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_a_folder_that_is_not_a_checkpoint_says_what_to_pass(tmp_path):
+    with pytest.raises(ConfigError, match="not a complete rlpipe checkpoint"):
+        run_pipeline(_config(tmp_path, 2), "", inline=True, resume_from=str(tmp_path))
+
+
+@pytest.mark.parametrize("mode,params", [
+    ("separate_async", {"max_off_policy_threshold": 2, "strategy": "drop"}),
+    ("colocate_async", {}),
+])
+def test_async_runs_resume_with_in_flight_prompts_reissued(mode, params, tmp_path):
+    def config(out, **trainer):
+        raw = quickstart_raw(mode=mode, mode_params=params, data={"prompts_per_step": 4},
+                             trainer={"total_steps": 4, "output_dir": str(out), **trainer})
+        raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
+        raw["stages"].insert(2, {"kind": "staleness_guard", "impl": "max_staleness"})
+        return validate_config(raw)
+
+    first = run_pipeline(config(tmp_path / "a", checkpoint_every=2), "", observer=Recorder(), inline=True)
+    checkpoint = Path(first.output_dir) / "checkpoints" / "step_2"
+    resumed = Recorder()
+    run_pipeline(config(tmp_path / "b"), "", observer=resumed, inline=True, resume_from=str(checkpoint))
+    assert sorted(resumed.batches) == [2, 3]
+    bound = params.get("max_off_policy_threshold", 2)
+    for step, batch in resumed.batches.items():
+        assert batch.num_rows == 4 * 8
+        assert max(step - batch.column("prompt_step").to_numpy() + 1) <= bound
