@@ -67,9 +67,13 @@ def score_batch(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, temp
 @stage("old_log_prob", "trainer", placement="worker", role="actor", params=LogProbParams,
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=cols(OLD_LOGPROBS))
 def recompute_old_logprobs(state, batch: pa.Table, params: LogProbParams, ctx) -> StageResult:
+    return StageResult(columns={OLD_LOGPROBS: _score_on(state, batch, params, ctx)})
+
+
+def _score_on(state, batch: pa.Table, params: LogProbParams, ctx) -> pa.ListArray:
+    """``score_batch`` with the worker's model, the params' (or trainer's) micro-batch, the run's temperature."""
     micro = params.micro_batch_size or state.config.trainer.micro_batch_size
-    logp = score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro)
-    return StageResult(columns={OLD_LOGPROBS: logp})
+    return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro)
 
 
 @stage("old_log_prob", "bypass", reads=cols(ROLLOUT_LOGPROBS), writes=cols(OLD_LOGPROBS))
@@ -82,6 +86,4 @@ def bypass_old_logprobs(batch: pa.Table, params, ctx) -> StageResult:
 @stage("ref", "reference", placement="worker", role="ref", params=LogProbParams,
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=cols(REF_LOGPROBS))
 def reference_logprobs(state, batch: pa.Table, params: LogProbParams, ctx) -> StageResult:
-    micro = params.micro_batch_size or state.config.trainer.micro_batch_size
-    logp = score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro)
-    return StageResult(columns={REF_LOGPROBS: logp})
+    return StageResult(columns={REF_LOGPROBS: _score_on(state, batch, params, ctx)})
