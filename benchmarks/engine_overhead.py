@@ -53,7 +53,6 @@ def step_times(inline: bool, steps: int, warmup: int) -> dict:
 def handoff(rows: int = 4096, repeats: int = 5) -> dict:
     import pyarrow as pa
     import ray
-    import torch
 
     from rlpipe.jagged import from_flat, to_padded
 

@@ -54,7 +54,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is im
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_METRICS_PER_BATCH,

@@ -5,7 +5,6 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 
 from rlpipe.backends.engine import RolloutEngine
 from rlpipe.backends.model import build_model

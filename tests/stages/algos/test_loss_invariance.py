@@ -6,7 +6,6 @@ normalized by the global token / sequence counts agreed before the backward pass
 
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
