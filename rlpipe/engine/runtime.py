@@ -104,9 +104,10 @@ class Runtime:
 def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
+    from rlpipe.engine.background_observer import BackgroundObserver
     from rlpipe.engine.mlflow_observer import MLflowObserver
 
-    return MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id)
+    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id))
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
