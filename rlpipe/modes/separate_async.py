@@ -52,7 +52,9 @@ class SeparateAsyncMode(AsyncMode):
                     batch = self.sampler("sample", groups, step)
                     if batch is not None:
                         break
-                    self.collect(step, self.params.poll_s, max(1, groups // self.replicas))
+                    # wait only for the groups still missing (not a whole batch) before scoring
+                    missing = groups - self.sampler("counts").get("finished", 0)
+                    self.collect(step, self.params.poll_s, max(1, -(-missing // self.replicas)))
                 # replace the consumed groups before training, so the pool has work while the driver is busy
                 self.submit(step, self.sampler("refill_needed", step))
                 self.train(step, batch, time.time() - waited, bound)
