@@ -20,6 +20,7 @@ from pydantic import Field
 from rlpipe.schemas.batch import DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
 from rlpipe.stage import StageContext, StageResult, cols, stage
 from rlpipe.stages.advantage import REWARD_BASELINE
+from rlpipe.stages.algos.batch_io import groups_by_appearance
 from rlpipe.stages.generate import GenerateParams, generation_seed, group_requests, trajectory_table
 from rlpipe.stages.reward import RuleRewardParams, rule_reward
 
@@ -37,7 +38,7 @@ class RemaxBaselineParams(RuleRewardParams):
        reads=cols(UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP),
        writes={REWARD_BASELINE: pa.float32()})
 def remax_baseline(worker, batch: pa.Table, params: RemaxBaselineParams, ctx: StageContext) -> StageResult:
-    first = _first_row_of_each_uid(batch)
+    first, _ = groups_by_appearance(batch)
     prompts = batch.take(pa.array(first)).select(list((UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)))
     sampling = GenerateParams(n=1, temperature=params.greedy_temperature, max_tokens=params.max_tokens)
     rows, sample_index, requests = group_requests(prompts, sampling, generation_seed(ctx))
@@ -51,8 +52,3 @@ def remax_baseline(worker, batch: pa.Table, params: RemaxBaselineParams, ctx: St
         columns={REWARD_BASELINE: pa.array(baseline_of_prompt[position], pa.float32())},
         metrics={"reward/remax_baseline_mean": float(np.mean(baseline_of_prompt)) if len(first) else 0.0},
     )
-
-
-def _first_row_of_each_uid(batch: pa.Table) -> np.ndarray:
-    _, first = np.unique(np.asarray(batch.column(UID).to_pylist(), dtype=object), return_index=True)
-    return np.sort(first)

@@ -82,23 +82,22 @@ class Runtime:
         sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
         self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
         self.last_metrics = headline
-        every = self.config.trainer.save_every
-        if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:
+        if self._due(self.config.trainer.save_every, step):
             self.save_model(f"step_{step + 1}")
-        every = self.config.trainer.checkpoint_every
-        if every and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps:
+        if self._due(self.config.trainer.checkpoint_every, step):
             checkpoint.save(self, step + 1)
         if self.on_step:
             self.on_step(step, headline)
+
+    def _due(self, every: int, step: int) -> bool:
+        """Every ``every`` steps (0 = never), except after the last step (the end of the run handles it)."""
+        return bool(every) and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
         self.workers.call("actor", "save_hf", path, rank=0)
         self.observer.on_artifact(path, f"model/{tag}")
         return path
-
-    def shutdown(self) -> None:
-        self.backend.shutdown()
 
 
 def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:

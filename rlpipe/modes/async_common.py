@@ -23,8 +23,9 @@ from rlpipe.errors import ConfigError, PlanError
 from rlpipe.modes.base import Mode
 from rlpipe.modes.sync import check_batch_arithmetic
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import SAMPLE_INDEX, UID
+from rlpipe.schemas.batch import SAMPLE_INDEX
 from rlpipe.stage import StageContext, StageParams
+from rlpipe.stages.algos.batch_io import groups_by_appearance
 from rlpipe.stages.generate import generation_seed
 
 
@@ -94,10 +95,8 @@ WORKER_ROLES.add("sampler", RoleSpec(build_sampler, sharded=False, size=lambda c
 
 def group_order(table: pa.Table) -> pa.Table:
     """Rows grouped in order of first appearance, each group by sample index (the generate stage's order)."""
-    uids = np.asarray(table.column(UID).to_pylist(), dtype=object)
-    _, first, inverse = np.unique(uids, return_index=True, return_inverse=True)
-    rank_of_group = np.argsort(np.argsort(first))
-    order = np.lexsort((table.column(SAMPLE_INDEX).to_numpy(), rank_of_group[inverse]))
+    _, rank = groups_by_appearance(table)
+    order = np.lexsort((table.column(SAMPLE_INDEX).to_numpy(), rank))
     return table.take(pa.array(order))
 
 

@@ -9,7 +9,6 @@ runs once, before any update.
 
 from __future__ import annotations
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
@@ -19,6 +18,7 @@ from rlpipe.modes.base import Mode
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import UID
 from rlpipe.stage import StageParams
+from rlpipe.stages.algos.batch_io import groups_by_appearance
 
 
 class SyncParams(StageParams):
@@ -60,10 +60,11 @@ class SyncMode(Mode):
         wanted = rt.config.data.prompts_per_step
         table, metrics = rt.executor.run(step, prompts, head)
         parts, rounds, evicted = [table], 0, metrics.get("filter_groups/evicted_groups", 0.0)
-        while _num_groups(pa.concat_tables(parts)) < wanted:
+        kept = _num_groups(table)  # refill rounds draw fresh uids, so the counts add up
+        while kept < wanted:
             if rounds == self.params.max_refill_rounds:
                 raise RlpipeError(
-                    f"step {step}: filter_groups kept {_num_groups(pa.concat_tables(parts))} of {wanted} groups "
+                    f"step {step}: filter_groups kept {kept} of {wanted} groups "
                     f"after {rounds} refill rounds; raise mode_params.max_refill_rounds, raise generate.n "
                     "(more samples per prompt → more reward variance), or drop the filter_groups stage"
                 )
@@ -73,6 +74,7 @@ class SyncMode(Mode):
             rt.workers.call("rollout", "wake")  # it went to sleep after the previous generate
             table, metrics = rt.executor.run(step, more, head)
             evicted += metrics.get("filter_groups/evicted_groups", 0.0)
+            kept += _num_groups(table)
             parts.append(table)
         merged = _first_groups(pa.concat_tables(parts), wanted)
         return merged, {"filter_groups/refill_rounds": float(rounds), "filter_groups/evicted_groups_step": evicted}
@@ -88,10 +90,8 @@ def _num_groups(table: pa.Table) -> int:
 
 def _first_groups(table: pa.Table, count: int) -> pa.Table:
     """The rows of the first ``count`` groups (in order of first appearance)."""
-    uids = table.column(UID).to_numpy(zero_copy_only=False)
-    _, first = np.unique(uids, return_index=True)
-    keep_uids = uids[np.sort(first)[:count]]
-    return table.filter(pa.array(np.isin(uids, keep_uids)))
+    _, rank = groups_by_appearance(table)
+    return table.filter(pa.array(rank < count))
 
 
 def check_batch_arithmetic(config) -> None:

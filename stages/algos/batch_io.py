@@ -48,6 +48,16 @@ def uids(batch: pa.Table) -> np.ndarray:
     return batch[UID].to_numpy(zero_copy_only=False)
 
 
+def groups_by_appearance(batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """``(first_rows, rank)``: each group's first row, in order of first appearance, and every
+    row's group number in that order (0 = the group that appears first)."""
+    _, first, inverse = np.unique(uids(batch).astype(str), return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return first[order], rank[inverse.reshape(-1)]
+
+
 def groups(batch: pa.Table) -> torch.Tensor:
     """Dense group ids of the rows (rows sharing a uid)."""
     return group_ids(uids(batch))
