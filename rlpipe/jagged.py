@@ -16,6 +16,13 @@ import torch
 ListLike = pa.ListArray | pa.LargeListArray | pa.ChunkedArray
 
 
+def contiguous(table: pa.Table) -> pa.Table:
+    """``table`` with one chunk per column. Tables concatenated from many parts (the replay buffer's
+    groups, replicas' results) cross process lines ~8× slower chunked: Ray serializes every chunk's
+    buffers separately (19 ms vs 2.5 ms for 64 rows in 16 chunks)."""
+    return table.combine_chunks() if any(col.num_chunks > 1 for col in table.columns) else table
+
+
 def _as_list_array(arr: ListLike) -> pa.ListArray:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)

@@ -116,15 +116,24 @@ class StepExecutor:
         out_fp = fingerprint(table_out)
         if input_fp is None:
             input_fp = fingerprint(table_in) if table_in is not None else ""
+        self.record_external(step, node, input_fingerprint=input_fp, output_fingerprint=out_fp,
+                             rows_in=table_in.num_rows if table_in is not None else 0, rows_out=table_out.num_rows,
+                             policy_versions=policy_versions(table_out), start_time=start, duration_s=duration,
+                             metrics=metrics)
+        return out_fp
+
+    def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
+                        rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,
+                        duration_s: float, metrics: dict[str, float]) -> None:
+        """Hand the observer a node execution that another process ran and fingerprinted
+        (separate_async's rollout replicas score their own groups)."""
         self.observer.on_node_end(NodeRecord(
             run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
             params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
-            input_fingerprint=input_fp, output_fingerprint=out_fp,
-            rows_in=table_in.num_rows if table_in is not None else 0, rows_out=table_out.num_rows,
-            policy_versions=policy_versions(table_out), trainer_version=self.policy_version,
-            start_time=start, duration_s=duration, metrics=dict(metrics),
+            input_fingerprint=input_fingerprint, output_fingerprint=output_fingerprint,
+            rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
+            trainer_version=self.policy_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
         ))
-        return out_fp
 
     def _dispatch(self, node: PlannedNode, table: pa.Table, ctx: StageContext) -> StageResult:
         spec = node.spec

@@ -32,8 +32,16 @@ class LocalWorkerCalls:
 
     call_async = call
 
+    def resolve(self, futures: list[Any]) -> list[Any]:
+        """The values of ``call_async`` results (here they already are values)."""
+        return list(futures)
+
     def has_role(self, role: str) -> bool:
         return role in self.states
+
+    def handle(self, role: str, rank: int = 0) -> Any:
+        """The state object of one worker (in-process: other workers call it directly)."""
+        return self.states[role][rank]
 
 
 class InlineBackend:

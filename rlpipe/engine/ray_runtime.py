@@ -18,6 +18,8 @@ import pyarrow as pa
 import ray
 
 from rlpipe.errors import StageError
+from rlpipe.jagged import contiguous
+from rlpipe.engine.wire import register_arrow_ipc
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 def init_ray(address: str | None, num_cpus: int | None) -> None:
     """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray; idempotent."""
     if ray.is_initialized():
+        register_arrow_ipc()
         return
     address = address or os.environ.get("RAY_ADDRESS")
     runtime_env = {"env_vars": {"MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}}
@@ -35,6 +38,7 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+    register_arrow_ipc()
 
 
 def _run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext, state: Any = None):
@@ -55,6 +59,7 @@ def _run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: St
 @ray.remote(num_cpus=1, max_retries=0)
 def run_task_stage(kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
     """A stateless stage as a Ray task."""
+    register_arrow_ipc()
     return _run_stage(kind, impl, params, batch, ctx)
 
 
@@ -67,6 +72,7 @@ class WorkerActor:
         from rlpipe.schemas.config import PipelineConfig
 
         load_plugins()
+        register_arrow_ipc()
         logging.basicConfig(level=logging.INFO)
         self.role = role
         self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
@@ -91,12 +97,13 @@ def free_address() -> str:
 class WorkerGroup:
     """The workers of one role."""
 
-    def __init__(self, role: str, size: int, sharded: bool, config: dict):
+    def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1):
         self.role = role
         self.sharded = sharded
         address = free_address() if sharded and size > 1 else None
         self.actors = [
-            WorkerActor.options(name=None).remote(role, rank, size, config, address) for rank in range(size)
+            WorkerActor.options(max_concurrency=max_concurrency).remote(role, rank, size, config, address)
+            for rank in range(size)
         ]
 
     @property
@@ -138,7 +145,7 @@ class RayBackend:
         groups = {}
         for role in sorted(roles):
             spec = WORKER_ROLES.get(role)
-            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict)
+            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency)
         backend = cls(groups)
         try:
             for group in groups.values():
@@ -157,12 +164,12 @@ class RayBackend:
         return self.groups[role].size if role in self.groups else 1
 
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
-        return ray.get(run_task_stage.remote(kind, impl, params, ray.put(table), ctx))
+        return ray.get(run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx))
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
                        ctxs: list[StageContext]) -> list[StageResult]:
         actors = self.groups[role].actors
-        return ray.get([a.run_stage.remote(kind, impl, params, t, c) for a, t, c in zip(actors, tables, ctxs)])
+        return ray.get([a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(actors, tables, ctxs)])
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         group = self.groups[role]
@@ -182,5 +189,13 @@ class RayWorkerCalls:
         """Like call, but returns futures that can be passed as arguments to later calls."""
         return self.groups[role].call_async(method, *args, rank=rank, **kwargs)
 
+    def resolve(self, futures: list[Any]) -> list[Any]:
+        """The values of ``call_async`` results (blocks until they are ready)."""
+        return ray.get(list(futures))
+
     def has_role(self, role: str) -> bool:
         return role in self.groups
+
+    def handle(self, role: str, rank: int = 0) -> Any:
+        """The actor of one worker, to pass to another worker (which calls it through ``call.remote``)."""
+        return self.groups[role].actors[rank]

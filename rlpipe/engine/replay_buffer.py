@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import heapq
 import logging
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -54,6 +56,7 @@ import torch
 from pydantic import Field
 
 from rlpipe.engine.lineage import trajectory_lineage
+from rlpipe.jagged import contiguous
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas import batch as B
@@ -213,7 +216,7 @@ class ReplayBuffer:
                 picked.append(p)
         if not picked:
             return (self._prompt_schema or _EMPTY_PROMPTS).empty_table()
-        return _concat([p.row for p in picked], "prompts")
+        return contiguous(_concat([p.row for p in picked], "prompts"))
 
     def requeue(self, uids: list[str]) -> None:
         """Running prompts back to pending (aborted requests, resume); their partial samples are dropped."""
@@ -338,7 +341,7 @@ class ReplayBuffer:
         self._consumed += num_groups
         self._totals["consumed"] += num_groups
         self._bonus = 0
-        batch = _concat([p.chunks[0] for p in chosen], "trajectories")
+        batch = contiguous(_concat([p.chunks[0] for p in chosen], "trajectories"))
         self._close_window(batch)
         return batch
 
@@ -466,6 +469,54 @@ class ReplayBuffer:
             else:
                 heapq.heappush(self._heap, (p.submit_step, p.seq, uid))
             self._prompts[uid] = p
+
+
+class SharedSampler:
+    """A sampler shared by threads — the driver and the rollout feeders storing groups (separate_async).
+
+    Every method of the wrapped sampler runs under one lock (samplers need not be
+    thread-safe), and every call wakes :meth:`sample_wait`, which blocks until a
+    batch can be served instead of having the driver poll.
+    """
+
+    def __init__(self, sampler: Any):
+        self.sampler = sampler
+        self._cond = threading.Condition()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.sampler, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._cond:
+                try:
+                    return attr(*args, **kwargs)
+                finally:
+                    self._cond.notify_all()
+
+        return locked
+
+    def exchange(self, trajectories: pa.Table | None, max_prompts: int) -> tuple[int, pa.Table]:
+        """A rollout replica's one round trip: store its finished samples, take up to ``max_prompts``
+        pending prompts; returns (groups completed, prompts)."""
+        with self._cond:
+            try:
+                completed = self.sampler.add_trajectories(trajectories) if trajectories is not None else 0
+                return completed, self.sampler.next_pending(max_prompts)
+            finally:
+                self._cond.notify_all()
+
+    def sample_wait(self, num_groups: int, consuming_step: int, timeout: float) -> pa.Table | None:
+        """``sample``, retried whenever another call changed the buffer, for up to ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                batch = self.sampler.sample(num_groups, consuming_step)
+                left = deadline - time.monotonic()
+                if batch is not None or left <= 0:
+                    return batch
+                self._cond.wait(left)
 
 
 # ---------------------------------------------------------------------- helpers

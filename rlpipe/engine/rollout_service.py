@@ -350,6 +350,11 @@ class RolloutService:
 
     paused = property(lambda self: self._paused, doc="True between pause() and resume().")
 
+    def in_service(self) -> int:
+        """Groups submitted and not yet collected or dropped (queued, running, aborted or complete)."""
+        with self._cond:
+            return len(self._groups)
+
     # -- bookkeeping ----------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:

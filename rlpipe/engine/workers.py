@@ -36,6 +36,9 @@ class RoleSpec:
     """True: data-parallel ranks (rows routed by dp_rank); False: replicas (rows split evenly)."""
     size: Callable[[PipelineConfig], int]
     """Number of workers of this role for a config."""
+    max_concurrency: int = 1
+    """Calls one worker serves at once (threads of its Ray actor); > 1 only for thread-safe states
+    whose methods may block (the async modes' sampler: ``sample_wait`` waits while replicas store)."""
 
 
 class RolloutState:
@@ -127,9 +130,37 @@ class RolloutState:
         return self.service().stats()
 
     def service_clear(self) -> int:
+        self.feed_stop()
         return self.service().clear()
 
+    # -- separate_async: the replica pulls its prompts and stores its scored groups itself --------
+
+    def feed_start(self, sampler, head, gen_params: dict, max_groups: int, store_groups: int, poll_s: float,
+                   run_seed: int) -> None:
+        """Start this replica's :class:`~rlpipe.engine.rollout_feeder.RolloutFeeder` on ``sampler``
+        (the sampler role's actor handle, or the object inline); restarts a running one."""
+        from rlpipe.engine.rollout_feeder import RolloutFeeder, SamplerClient
+        from rlpipe.stage import StageContext
+        from rlpipe.stages.generate import generation_seed
+
+        self.feed_stop()
+        rank = self.rank
+        self._feeder = RolloutFeeder(
+            self.service(), SamplerClient(sampler), head, gen_params,
+            lambda step: generation_seed(StageContext(step=step, seed=run_seed, dp_rank=rank)),
+            max_groups, store_groups, poll_s, run_seed, name=f"rollout-feeder-{rank}")
+
+    def feed_drain(self) -> dict:
+        """The feeder's lineage records since the last drain, its counters and the service's stats."""
+        return {**self._feeder.drain(), "stats": self.service().stats()}
+
+    def feed_stop(self) -> None:
+        if getattr(self, "_feeder", None) is not None:
+            self._feeder.stop()
+            self._feeder = None
+
     def service_shutdown(self) -> None:
+        self.feed_stop()
         if getattr(self, "_service", None) is not None:
             self._service.shutdown()
             self._service = None

@@ -1,0 +1,186 @@
+"""The rollout side of ``separate_async`` without the driver: pull prompts, generate, score, store.
+
+A :class:`RolloutFeeder` is a daemon thread inside a rollout replica, next to
+its :class:`~rlpipe.engine.rollout_service.RolloutService`. It keeps the
+replica's service supplied with prompts pulled from the replay buffer
+(``next_pending``), collects complete groups as they finish, runs the
+generation-side stages (the reward, and whatever else sits between
+``generate`` and the staleness guard) on them in this process, and stores the
+scored groups in the buffer (``add_trajectories``). The driver then only adds
+prompts, samples batches and trains: generation never waits for a driver round
+trip, and scoring costs neither a Ray task nor a copy of the trajectories to the
+driver (AReaL's rollout workers also score their own trajectories; Fu et al.
+2025, https://arxiv.org/abs/2505.24298).
+
+The generation-side stages must be stateless (``placement: task``); the mode
+falls back to driver-side collection otherwise. Each execution is kept as a
+lineage record (fingerprints, rows, versions, duration, metrics) that the
+driver drains once per step and hands to the observer, so MLflow sees the same
+``generate`` and ``reward`` executions as when the driver scores.
+
+A failure (an engine error, a reward stage raising) stops the feeder; the error,
+a :class:`~rlpipe.errors.StageError` naming kind, impl and step, is raised by
+the next ``drain()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.engine.executor import apply_result
+from rlpipe.engine.lineage import fingerprint, policy_versions
+from rlpipe.engine.ray_runtime import _run_stage
+from rlpipe.errors import StageError
+from rlpipe.schemas.batch import PROMPT_STEP
+from rlpipe.stage import StageContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeadStage:
+    """One generation-side node as the feeder runs it (picklable: no functions, no plan)."""
+
+    name: str
+    kind: str
+    impl: str
+    params: dict[str, Any]
+    writes: dict[str, pa.DataType]
+    """The node's declared writes; its results are checked against them, as the executor does."""
+
+
+class SamplerClient:
+    """The replay buffer as the feeder sees it: a Ray actor handle of the ``sampler`` role, or the object."""
+
+    def __init__(self, target: Any):
+        self.target = target
+        self._remote = hasattr(getattr(target, "call", None), "remote")
+
+    def __call__(self, method: str, *args: Any) -> Any:
+        if self._remote:
+            import ray
+
+            return ray.get(self.target.call.remote(method, *args))
+        return getattr(self.target, method)(*args)
+
+
+class RolloutFeeder:
+    """Keeps one rollout service fed from the buffer and the buffer fed with scored groups."""
+
+    def __init__(self, service, sampler: SamplerClient, head: list[HeadStage], gen_params: dict[str, Any],
+                 seed_of_step, max_groups: int, store_groups: int, poll_s: float, run_seed: int,
+                 name: str = "rollout-feeder"):
+        self.service = service
+        self.sampler = sampler
+        self.head = head
+        self.gen_params = gen_params
+        self.seed_of_step = seed_of_step
+        """prompt_step → sampling seed (the generate stage's seed for that step on this replica)."""
+        self.max_groups = max_groups
+        """Groups this replica holds at most (submitted and not yet stored in the buffer)."""
+        self.store_groups = store_groups
+        """Complete groups to wait for (up to ``poll_s``) before scoring and storing: fewer round trips."""
+        self.poll_s = poll_s
+        self.run_seed = run_seed
+        self.extras = {"temperature": float(gen_params.get("temperature", 1.0))}
+        self._records: list[dict[str, Any]] = []
+        self._counts = {"pulled": 0, "stored_groups": 0, "score_s": 0.0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            scored = None
+            while not self._stop.is_set():
+                room = max(0, self.max_groups - self.service.in_service())
+                if scored is not None or room:
+                    stored, prompts = self.sampler("exchange", scored, room)
+                    self._submit(prompts)
+                    with self._lock:
+                        self._counts["stored_groups"] += stored
+                    if scored is None and not prompts.num_rows and not self.service.in_service():
+                        self._stop.wait(self.poll_s)  # nothing to generate: ask the buffer again shortly
+                start = time.time()
+                table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
+                                             timeout=self.poll_s)
+                scored = self._score(table, start) if table.num_rows else None
+        except BaseException as exc:  # noqa: BLE001 - kept and raised by drain(), in the driver
+            log.exception("rollout feeder stopped")
+            self._error = exc
+
+    def _submit(self, prompts: pa.Table) -> None:
+        if prompts.num_rows == 0:
+            return
+        steps = prompts.column(PROMPT_STEP).to_numpy()
+        for step in np.unique(steps):  # one seed per submission step, as the generate stage of that step
+            rows = prompts.filter(pa.array(steps == step)) if len(np.unique(steps)) > 1 else prompts
+            self.service.submit(rows, self.gen_params, self.seed_of_step(int(step)))
+        self._counts["pulled"] += prompts.num_rows
+
+    def _score(self, table: pa.Table, collect_start: float) -> pa.Table:
+        """The collected groups after the generation-side stages (records kept for the driver)."""
+        step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
+        records = [_record("generate", None, table, collect_start, time.time() - collect_start,
+                           {"generate/collected_rows": float(table.num_rows)})]
+        fp = records[0]["output_fingerprint"]
+        for node in self.head:
+            start = time.time()
+            ctx = StageContext(step=step, seed=self.run_seed, policy_version=int(self.service.engine.version),
+                               extras=dict(self.extras))
+            try:
+                result = _run_stage(node.kind, node.impl, node.params, table, ctx)
+                out = apply_result(node, table, result)
+            except StageError:
+                raise
+            except Exception as exc:
+                raise StageError(node.kind, node.impl, step, exc) from exc
+            rec = _record(node.name, table, out, start, time.time() - start, result.metrics, fp)
+            records.append(rec)
+            table, fp = out, rec["output_fingerprint"]
+        with self._lock:
+            self._records.extend(records)
+            self._counts["score_s"] += sum(r["duration_s"] for r in records[1:])
+        return table
+
+    # -- the driver's side ---------------------------------------------------------
+
+    def drain(self) -> dict[str, Any]:
+        """Lineage records since the last drain and cumulative counters; raises the feeder's error."""
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            records, self._records = self._records, []
+            return {"records": records, "counts": dict(self._counts)}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop pulling and storing (idempotent); what is in the service stays there."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+def _record(node: str, table_in: pa.Table | None, table_out: pa.Table, start: float, duration: float,
+            metrics: dict[str, float], input_fp: str | None = None) -> dict[str, Any]:
+    """The parts of a NodeRecord that only this process can fill (the driver adds run, step, node meta)."""
+    return {
+        "node": node,
+        "input_fingerprint": input_fp if input_fp is not None else (fingerprint(table_in) if table_in is not None else ""),
+        "output_fingerprint": fingerprint(table_out),
+        "rows_in": table_in.num_rows if table_in is not None else 0,
+        "rows_out": table_out.num_rows,
+        "policy_versions": policy_versions(table_out),
+        "start_time": start,
+        "duration_s": duration,
+        "metrics": dict(metrics),
+    }
