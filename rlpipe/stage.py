@@ -18,6 +18,7 @@ stage that creates or selects rows, a whole new table / the rows to keep).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
@@ -143,11 +144,17 @@ class StageSpec:
     @property
     def code_hash(self) -> str:
         """Hash of the implementation (its name and source): lineage records which code ran."""
-        try:
-            source = inspect.getsource(self.fn)
-        except (OSError, TypeError):
-            source = f"{self.fn.__module__}.{self.fn.__qualname__}"
-        return hashlib.sha256(f"{self.kind}/{self.impl}\n{source}".encode()).hexdigest()[:12]
+        return _code_hash(self.kind, self.impl, self.fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_hash(kind: str, impl: str, fn: Callable) -> str:
+    # once per implementation: reading and tokenizing the source cost ~1 ms, and every record asks
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        source = f"{fn.__module__}.{fn.__qualname__}"
+    return hashlib.sha256(f"{kind}/{impl}\n{source}".encode()).hexdigest()[:12]
 
 
 def stage_registry(kind: str):

@@ -43,6 +43,9 @@ from rlpipe.stage import StageContext
 
 log = logging.getLogger(__name__)
 
+PULL_EVERY_POLLS = 4
+"""A replica that has work asks the buffer for new prompts at least every this many ``poll_s``."""
+
 
 @dataclass(frozen=True)
 class HeadStage:
@@ -102,10 +105,16 @@ class RolloutFeeder:
 
     def _loop(self) -> None:
         try:
-            scored = None
+            scored, last_pull = None, 0.0
             while not self._stop.is_set():
-                room = max(0, self.max_groups - self.service.in_service())
-                if scored is not None or room:
+                in_service = self.service.in_service()
+                room = max(0, self.max_groups - in_service)
+                # ask for prompts with each store, at once when about to run dry, else every few polls
+                # (new prompts join a long tail's small decode batch); a round trip per poll would
+                # take more CPU from the trainer (on shared cores) than late prompts cost
+                due = in_service < self.store_groups or time.monotonic() - last_pull >= PULL_EVERY_POLLS * self.poll_s
+                if scored is not None or (room and due):
+                    last_pull = time.monotonic()
                     stored, prompts = self.sampler("exchange", scored, room)
                     self._submit(prompts)
                     with self._lock:
@@ -116,7 +125,7 @@ class RolloutFeeder:
                 table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
                                              timeout=self.poll_s)
                 scored = self._score(table, start) if table.num_rows else None
-        except BaseException as exc:  # noqa: BLE001 - kept and raised by drain(), in the driver
+        except BaseException as exc:
             log.exception("rollout feeder stopped")
             self._error = exc
 

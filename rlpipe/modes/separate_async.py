@@ -21,7 +21,6 @@ from rlpipe.errors import ConfigError
 from rlpipe.modes.async_common import AsyncMode, check_async
 from rlpipe.registry import registry
 
-
 HEALTH_CHECK_S = 1.0
 """How long the driver waits for a batch before checking that the replicas' feeders are alive."""
 
@@ -99,7 +98,7 @@ class SeparateAsyncMode(AsyncMode):
         workers = self.runtime.workers
         try:
             reports = workers.resolve(futures if futures is not None else workers.call_async("rollout", "feed_drain"))
-        except Exception as exc:  # Ray wraps the replica's exception; its cause is ours
+        except Exception as exc:  # noqa: BLE001 - Ray wraps the replica's exception; its cause is ours
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, BaseException) else exc) from None
         nodes = {node.name: node for node in [self.generate_node, *self.head]}

@@ -6,6 +6,9 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
+from rlpipe.schemas.batch import REWARD, STATUS, TOKEN_REWARDS, column_type
+from rlpipe.stages.generate import GenerateParams, generate, generation_seed
+from test_rollout_service import TOK, model, prompts, wait_for
 
 from rlpipe.backends.engine import RolloutEngine
 from rlpipe.engine.lineage import fingerprint
@@ -13,11 +16,7 @@ from rlpipe.engine.replay_buffer import ReplayBuffer, ReplayBufferParams, Shared
 from rlpipe.engine.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
 from rlpipe.engine.rollout_service import RolloutService
 from rlpipe.errors import StageError
-from rlpipe.schemas.batch import REWARD, STATUS, TOKEN_REWARDS, column_type
 from rlpipe.stage import StageContext
-from rlpipe.stages.generate import GenerateParams, generate, generation_seed
-
-from test_rollout_service import TOK, model, prompts, wait_for
 
 GEN = GenerateParams(n=2, max_tokens=6, temperature=1.0)
 REWARD_NODE = HeadStage("reward", "reward", "rule", {"default_scorer": "exact_match"},
@@ -50,14 +49,14 @@ def rig():
 
 
 def test_feeder_generates_scores_and_stores_what_the_generate_stage_would(rig):
-    feeder, _, buffer = rig()
+    _, _, buffer = rig()
     buffer.add_prompts(prompts(), 3)
     batch = buffer.sample_wait(5, 3, timeout=30)
     assert batch is not None and batch.num_rows == 10
     # the same tokens as the synchronous generate stage at the prompts' submission step
     sync = generate(type("W", (), {"engine": RolloutEngine(model(), TOK), "tokenizer": TOK})(),
                     prompts(), GEN, StageContext(step=3, seed=5)).table
-    key = lambda t: t.sort_by([("uid", "ascending"), ("sample_index", "ascending")])  # noqa: E731
+    key = lambda t: t.sort_by([("uid", "ascending"), ("sample_index", "ascending")])
     for column in ("uid", "sample_index", "response_ids", "rollout_logprobs", "token_versions"):
         assert key(batch).column(column).equals(key(sync).column(column)), column
     # ...scored in the replica: exact_match of the response text against ground_truth
