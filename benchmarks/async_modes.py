@@ -1,15 +1,27 @@
 """Async modes vs sync on a long-tail rollout workload.
 
-Run: .venv/bin/python benchmarks/async_modes.py [--steps 12]
+Run: .venv/bin/python benchmarks/async_modes.py [--steps 12] [--repeats 3] [--workload lengths|env_latency]
 Writes benchmarks/results/async_modes.json and prints a Markdown table (copied into README).
 
-Workload: the quickstart model and task, but every request's response length is
+Workloads: the quickstart model and task, but every request's response length is
 drawn from a heavy-tailed (Pareto) distribution and generated to that length
 (ignore_eos, per-request max_tokens) — the long tail that makes synchronous RL
-wait for its slowest trajectory. Each mode runs the same number of steps on Ray
+wait for its slowest trajectory (``lengths``, compute-bound); ``env_latency``
+adds a heavy-tailed simulated environment latency before each trajectory's first
+token (a sandbox starting, a tool answering), which takes wall time but no CPU. Each mode runs the same number of steps on Ray
 (tracking off); we report trained samples per second (warm-up steps excluded),
 staleness, and the ideal overlap bound (gen + train) / max(gen, train) computed
 from the sync run's measured generation and training times.
+
+The machine's CPU time is measured too (/proc/stat, busy jiffies of all cores,
+over the measured steps): the sync run's CPU-seconds per step divided by the
+core count is the shortest step any schedule of that work could reach on this
+machine; per mode, "CPU bound" = sync step / (the mode's CPU-seconds per step /
+cores). Async modes do more CPU work per step than sync (the replay buffer
+actor, scoring in the replicas, re-prefill of the requests a push aborts), so
+on few cores their CPU bound can fall below the ideal overlap bound: then the
+cores, not the schedule, cap the speed-up. Modes run interleaved, ``--repeats``
+times, and medians are reported (this shared machine drifts between runs).
 """
 
 from __future__ import annotations
@@ -28,8 +40,17 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GEN = {"n": 4, "max_tokens": 96, "temperature": 1.0, "ignore_eos": True,
-       "length_distribution": "pareto", "pareto_alpha": 1.2, "min_tokens": 8}
+WORKLOADS = {
+    # compute-bound long tail: every response's length is a Pareto draw, generated to that length
+    "lengths": {"n": 4, "max_tokens": 96, "temperature": 1.0, "ignore_eos": True,
+                "length_distribution": "pareto", "pareto_alpha": 1.2, "min_tokens": 8},
+    # latency-bound long tail (agentic RL): each trajectory also waits for its simulated environment
+    # (Pareto from 2 ms, capped at 200 ms) before its first token; the wait takes no CPU
+    "env_latency": {"n": 4, "max_tokens": 64, "temperature": 1.0, "ignore_eos": True,
+                    "length_distribution": "pareto", "pareto_alpha": 1.2, "min_tokens": 8,
+                    "env_latency_s": 0.002, "env_latency_max_s": 0.2},
+}
+GEN = WORKLOADS["lengths"]
 
 
 def workload(mode: str, steps: int, mode_params: dict) -> dict:
@@ -53,6 +74,13 @@ def workload(mode: str, steps: int, mode_params: dict) -> dict:
     return raw
 
 
+def cpu_busy_s() -> float:
+    """Seconds all cores spent busy since boot (/proc/stat; user+nice+system+irq+softirq+steal)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def run_mode(mode: str, steps: int, warmup: int, mode_params: dict) -> dict:
     from rlpipe.engine.config_io import validate_config
     from rlpipe.engine.runtime import run_pipeline
@@ -60,14 +88,19 @@ def run_mode(mode: str, steps: int, warmup: int, mode_params: dict) -> dict:
     config = validate_config(workload(mode, steps, mode_params))
     stamps, metrics = [], []
 
+    busy: dict[int, float] = {}
+
     def on_step(step, m):
         stamps.append(time.perf_counter())
         metrics.append(m)
+        busy[step] = cpu_busy_s()
 
     run_pipeline(config, "", on_step=on_step)
     per_step = np.diff(stamps)[warmup:]
     samples = config.data.prompts_per_step * GEN["n"]
-    out = {"samples_per_s": samples / float(per_step.mean()), "mean_step_s": float(per_step.mean())}
+    cpu_per_step = (busy[steps - 1] - busy[warmup]) / len(per_step)
+    out = {"samples_per_s": samples / float(per_step.mean()), "mean_step_s": float(per_step.mean()),
+           "cpu_s_per_step": cpu_per_step, "cpu_busy_fraction": cpu_per_step / (os.cpu_count() * per_step.mean())}
     keys = [k for k in metrics[-1] if k.startswith(("staleness_guard/staleness/max", "staleness_guard/version_lag",
                                                       "async/", "sampler/evicted"))]
     out.update({k: float(np.mean([m.get(k, np.nan) for m in metrics[warmup:]])) for k in keys})
@@ -78,38 +111,64 @@ def run_mode(mode: str, steps: int, warmup: int, mode_params: dict) -> dict:
     return out
 
 
+MODES = {
+    "sync": ("sync", {}),
+    "colocate_async": ("colocate_async", {}),
+    "colocate_async (no release)": ("colocate_async", {"release_memory_during_update": False}),
+    "separate_async": ("separate_async", {"max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2}),
+}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Per key, the median over repeats (samples/s and every other figure)."""
+    return {k: float(np.median([r[k] for r in runs if k in r])) for k in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per mode, interleaved (sync, colocate, ..., sync, ...); medians are reported")
     parser.add_argument("--poll", type=float, default=0.05, help="separate_async collection wait (s)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="lengths")
     args = parser.parse_args()
-    results = {
-        "sync": run_mode("sync", args.steps, args.warmup, {}),
-        "colocate_async": run_mode("colocate_async", args.steps, args.warmup, {}),
-        "colocate_async (no release)": run_mode("colocate_async", args.steps, args.warmup,
-                                                {"release_memory_during_update": False}),
-        "separate_async": run_mode("separate_async", args.steps, args.warmup,
-                                   {"max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2,
-                                    "poll_s": args.poll}),
-    }
+    global GEN
+    GEN = WORKLOADS[args.workload]
+    runs: dict[str, list[dict]] = {name: [] for name in MODES}
+    for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every mode alike
+        for name, (mode, params) in MODES.items():
+            params = {**params, "poll_s": args.poll} if mode == "separate_async" else params
+            runs[name].append(run_mode(mode, args.steps, args.warmup, params))
     import ray
 
     ray.shutdown()
+    results = {name: median_run(r) for name, r in runs.items()}
     sync = results["sync"]
     ideal = (sync["gen_s"] + sync["train_s"]) / max(sync["gen_s"], sync["train_s"])
-    summary = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
-               "workload": GEN, "ideal_speedup": ideal, "results": results}
-    (ROOT / "benchmarks/results/async_modes.json").write_text(json.dumps(summary, indent=2))
-    print(f"sync step: generation {sync['gen_s'] * 1e3:.0f} ms + training {sync['train_s'] * 1e3:.0f} ms "
-          f"→ ideal overlap speed-up {ideal:.2f}×")
-    print("| mode | samples/s | vs sync | of ideal | max staleness | rollout idle | trainer idle |")
-    print("|---|---|---|---|---|---|---|")
-    for mode, r in results.items():
+    cores = os.cpu_count()
+    for r in results.values():
+        # the most any schedule of this mode's CPU work could gain over sync on these cores
+        r["cpu_bound_speedup"] = sync["mean_step_s"] / (r["cpu_s_per_step"] / cores)
+    summary = {"machine": f"{platform.machine()}, {cores} cores", "steps": args.steps, "repeats": args.repeats,
+               "workload": {"name": args.workload, **GEN}, "ideal_speedup": ideal, "results": results,
+               "runs": {name: [r["samples_per_s"] for r in rs] for name, rs in runs.items()}}
+    suffix = "" if args.workload == "lengths" else f"_{args.workload}"
+    (ROOT / f"benchmarks/results/async_modes{suffix}.json").write_text(json.dumps(summary, indent=2))
+    print(f"sync step (median of {args.repeats}): generation {sync['gen_s'] * 1e3:.0f} ms + training "
+          f"{sync['train_s'] * 1e3:.0f} ms → ideal overlap speed-up {ideal:.2f}×")
+    print("| mode | samples/s (median) | runs | vs sync | of ideal | max staleness | rollout idle | trainer idle "
+          "| CPU ms/step | CPU busy | CPU bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    dash = "–"
+    for name, r in results.items():
         speed = r["samples_per_s"] / sync["samples_per_s"]
-        print(f"| {mode} | {r['samples_per_s']:.1f} | {speed:.2f}× | {speed / ideal:.0%} | "
-              f"{r.get('staleness_guard/staleness/max', 1):.0f} | {r.get('async/rollout_idle_fraction', float('nan')):.0%} | "
-              f"{r.get('async/trainer_idle_fraction', float('nan')):.0%} |")
+        idle = {k: f"{r[k]:.0%}" if k in r else dash for k in ("async/rollout_idle_fraction", "async/trainer_idle_fraction")}
+        spread = "–".join(f"{x:.0f}" for x in (min(summary["runs"][name]), max(summary["runs"][name])))
+        print(f"| {name} | {r['samples_per_s']:.1f} | {spread} | {speed:.2f}× | {speed / ideal:.0%} | "
+              f"{r.get('staleness_guard/staleness/max', 1):.0f} | {idle['async/rollout_idle_fraction']} | "
+              f"{idle['async/trainer_idle_fraction']} | {r['cpu_s_per_step'] * 1e3:.0f} | {r['cpu_busy_fraction']:.0%} "
+              f"| {r['cpu_bound_speedup']:.2f}× |")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,12 @@ class GenerateParams(StageParams):
     """Tail index of the pareto length draw (smaller = heavier tail)."""
     min_tokens: int = Field(1, ge=1)
     """Smallest length budget of the pareto draw."""
+    env_latency_s: float = Field(0.0, ge=0)
+    """Simulated environment latency before a trajectory's first token (a sandbox starting, a tool
+    answering): a heavy-tailed draw per request, Pareto(pareto_alpha) from this minimum, capped at
+    env_latency_max_s, seeded per request. 0 = none. Wall time only: it takes no compute."""
+    env_latency_max_s: float = Field(10.0, gt=0)
+    """Cap of the environment latency draw."""
 
 
 def generation_seed(ctx: StageContext) -> int:
@@ -121,10 +127,24 @@ def length_budgets(params, ids: list[str], seed: int) -> np.ndarray:
     """Each request's max_tokens: fixed, or a Pareto draw keyed by (seed, request id) so it is reproducible."""
     if getattr(params, "length_distribution", "fixed") == "fixed":
         return np.full(len(ids), params.max_tokens)
-    keys = [int.from_bytes(hashlib.blake2b(f"{seed}\x00{rid}".encode(), digest_size=8).digest(), "little") for rid in ids]
-    u = (np.array(keys, dtype=np.float64) + 0.5) / 2.0**64  # uniform in (0, 1)
-    draw = params.min_tokens * u ** (-1.0 / params.pareto_alpha)  # inverse CDF of Pareto(alpha, min_tokens)
+    draw = params.min_tokens * _uniforms(ids, seed, "") ** (-1.0 / params.pareto_alpha)  # Pareto(alpha, min) inverse CDF
     return np.clip(np.floor(draw), params.min_tokens, params.max_tokens).astype(np.int64)
+
+
+def env_latencies(params: GenerateParams, ids: list[str], seed: int) -> np.ndarray:
+    """Seconds each request waits for its (simulated) environment before its first token."""
+    if not getattr(params, "env_latency_s", 0.0):
+        return np.zeros(len(ids))
+    draw = params.env_latency_s * _uniforms(ids, seed, "env") ** (-1.0 / params.pareto_alpha)
+    return np.minimum(draw, params.env_latency_max_s)
+
+
+def _uniforms(ids: list[str], seed: int, stream: str) -> np.ndarray:
+    """One uniform in (0, 1) per request id: a hash of (seed, id, stream), independent of the batch."""
+    tag = f"\x00{stream}" if stream else ""  # "" keeps the length draws of earlier versions
+    keys = [int.from_bytes(hashlib.blake2b(f"{seed}\x00{rid}{tag}".encode(), digest_size=8).digest(), "little")
+            for rid in ids]
+    return (np.array(keys, dtype=np.float64) + 0.5) / 2.0**64
 
 
 def group_requests(
@@ -146,9 +166,10 @@ def group_requests(
                               ignore_eos=getattr(params, "ignore_eos", False))
     ids = [request_id(uid_list[row], j) for row, j in zip(rows.tolist(), sample_index.tolist())]
     budgets = length_budgets(params, ids, seed)
+    ready_at = time.monotonic() + env_latencies(params, ids, seed)
     requests = [
-        GenerationRequest(rid, prompts[row], max_tokens=int(budget), sampling=sampling)
-        for rid, row, budget in zip(ids, rows.tolist(), budgets)
+        GenerationRequest(rid, prompts[row], max_tokens=int(budget), sampling=sampling, ready_at=float(ready))
+        for rid, row, budget, ready in zip(ids, rows.tolist(), budgets, ready_at)
     ]
     return rows, sample_index, requests
 

@@ -27,6 +27,8 @@ finished rows leave behind in a cohort.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -117,6 +119,19 @@ class RolloutEngine:
         """True while some request is queued, decoding, or finished but not yet collected."""
         return bool(self._pending or self._cohorts or self._done)
 
+    def num_waiting(self) -> int:
+        """Queued requests whose ``ready_at`` has not come yet (they take no compute)."""
+        now = time.monotonic()
+        return sum(r.ready_at > now for r in self._pending)
+
+    def next_ready_in(self) -> float:
+        """Seconds until ``step()`` has work: 0 when it has now, ``inf`` when nothing is active."""
+        if self._cohorts or self._done:
+            return 0.0
+        if not self._pending:
+            return math.inf
+        return max(0.0, min(r.ready_at for r in self._pending) - time.monotonic())
+
     @torch.no_grad()
     def step(self) -> list[GenerationResult]:
         """Prefill queued requests, decode one token for every running one; returns those that finished."""
@@ -124,10 +139,13 @@ class RolloutEngine:
         for cohort in self._cohorts:
             self._advance(cohort, self._decode_logits(cohort))
         if self._pending:
-            cohort, logits = self._prefill(self._pending)
-            self._pending = []
-            self._cohorts.append(cohort)
-            self._advance(cohort, logits)
+            now = time.monotonic()
+            ready = [r for r in self._pending if r.ready_at <= now]  # per request, not per token
+            if ready:
+                self._pending = [r for r in self._pending if r.ready_at > now]
+                cohort, logits = self._prefill(ready)
+                self._cohorts.append(cohort)
+                self._advance(cohort, logits)
         self._cohorts = [c for c in self._cohorts if c.requests]
         done, self._done = self._done, []
         return done
@@ -140,6 +158,8 @@ class RolloutEngine:
         found: dict[str, GenerationResult] = {}
         others: list[GenerationResult] = []
         while len(found) < len(wanted):
+            if (wait := self.next_ready_in()) > 0:  # only requests waiting for their environment
+                time.sleep(wait)
             for result in self.step():
                 if result.request_id in wanted:
                     found[result.request_id] = result

@@ -50,6 +50,9 @@ class GenerationRequest:
     response_ids: Sequence[int] = ()
     logprobs: Sequence[float] = ()
     versions: Sequence[int] = ()
+    ready_at: float = 0.0
+    """``time.monotonic()`` before which the engine does not start the request: an environment's
+    latency before the first token (a sandbox starting, a tool answering). A resumed request keeps it."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.engine.deferred import DeferredCalls
 from rlpipe.engine.ray_runtime import _run_stage, shard_rows
 from rlpipe.engine.workers import WORKER_ROLES
 from rlpipe.errors import ConfigError
@@ -20,11 +21,12 @@ from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import StageContext, StageResult
 
 
-class LocalWorkerCalls:
+class LocalWorkerCalls(DeferredCalls):
     """``ctx.workers`` for in-process states; ``call_async`` returns plain values."""
 
     def __init__(self, states: dict[str, list[Any]]):
         self.states = states
+        super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         targets = self.states[role] if rank is None else [self.states[role][rank]]

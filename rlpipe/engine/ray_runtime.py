@@ -19,6 +19,7 @@ import ray
 
 from rlpipe.errors import StageError
 from rlpipe.jagged import contiguous
+from rlpipe.engine.deferred import DeferredCalls
 from rlpipe.engine.wire import register_arrow_ipc
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
@@ -176,11 +177,12 @@ class RayBackend:
         return shard_rows(table, group.size, group.sharded, dp_rank_column)
 
 
-class RayWorkerCalls:
+class RayWorkerCalls(DeferredCalls):
     """The ``ctx.workers`` facade of driver stages, backed by the run's worker groups."""
 
     def __init__(self, groups: dict[str, WorkerGroup]):
         self.groups = groups
+        super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         return self.groups[role].call(method, *args, rank=rank, **kwargs)

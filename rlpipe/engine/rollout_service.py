@@ -103,15 +103,23 @@ class RolloutService:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and (self._paused or self._hold or not self.engine.has_active()):
-                    if self._in_engine and not (self._paused or self._hold):
-                        self._lost()
-                        return
-                    self._cond.wait()
+                while not self._stopping:
+                    if self._paused or self._hold:
+                        self._cond.wait()
+                    elif not self.engine.has_active():
+                        if self._in_engine:
+                            self._lost()
+                            return
+                        self._cond.wait()
+                    elif (wait := self.engine.next_ready_in()) > 0:
+                        self._cond.wait(wait)  # only requests waiting for their environment: idle, not stepping
+                    else:
+                        break
                 if self._stopping:
                     return
                 self._stepping = True
-                running = self.engine.num_running()  # each running request samples one token per step
+                # each running request samples one token per step; waiting ones take none
+                running = self.engine.num_running() - self.engine.num_waiting()
                 self._enter("busy")
             try:
                 results = self.engine.step()

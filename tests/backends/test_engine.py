@@ -218,3 +218,28 @@ def test_resumed_requests_that_are_already_complete_finish_without_decoding():
     assert a.response_ids.tolist() == [5, 6, 7] and b.response_ids.tolist() == [5, eos]
     with pytest.raises(EngineError, match="as many logprobs and versions"):
         eng.submit([GenerationRequest("bad", prompt, 9, response_ids=[5], logprobs=[], versions=[])])
+
+
+def test_a_request_waits_for_its_environment_without_stepping_and_keeps_its_clock_across_an_abort():
+    import dataclasses
+    import time
+
+    reqs = requests(n=4, max_tokens=6)
+    start = time.monotonic()
+    late = [dataclasses.replace(r, ready_at=start + 0.3) for r in reqs[2:]]
+    eng = engine()
+    eng.submit(reqs[:2] + late)
+    assert eng.num_waiting() == 2 and eng.next_ready_in() == 0  # the two early ones can step now...
+    first = [r for _ in range(6) for r in eng.step()]
+    assert sorted(r.request_id for r in first) == ["r0", "r1"]  # ...and finish before the late ones start
+    assert eng.num_running() == 2 and 0 < eng.next_ready_in() <= 0.3
+    aborted = eng.abort_all()  # a push while they wait: no tokens yet, the clock is the request's
+    assert [len(r.response_ids) for r in aborted] == [0, 0]
+    resumed = [a.resume(r) for a, r in zip(aborted, late)]
+    assert [r.ready_at for r in resumed] == [start + 0.3] * 2
+    rest = eng.generate(resumed)  # sleeps until ready_at, then decodes
+    assert time.monotonic() - start >= 0.3
+    alone = engine().generate(reqs[2:])
+    for got, want in zip(rest, alone):  # latency changes when, never what
+        assert np.array_equal(got.response_ids, want.response_ids)
+    assert eng.next_ready_in() == float("inf")

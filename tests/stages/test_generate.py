@@ -118,3 +118,17 @@ def test_params_are_strict_and_bounded():
     with pytest.raises(ValueError):
         GenerateParams(temperature=0)
     assert all(field.description for field in GenerateParams.model_fields.values())
+
+
+def test_environment_latency_is_heavy_tailed_capped_and_seeded_per_request():
+    from rlpipe.stages.generate import env_latencies
+
+    ids = [f"u{i}/0" for i in range(4000)]
+    params = GenerateParams(env_latency_s=0.01, env_latency_max_s=0.5, pareto_alpha=1.2)
+    lat = env_latencies(params, ids, seed=3)
+    assert lat.min() >= 0.01 and lat.max() == 0.5
+    # Pareto(1.2) from 0.01: P(X > 0.1) = 0.1 ** 1.2 ~ 6.3%
+    assert 0.05 < np.mean(lat > 0.1) < 0.077
+    assert np.array_equal(lat[:10], env_latencies(params, ids[:10], seed=3))  # per request, not per batch
+    assert not np.array_equal(lat, env_latencies(params, ids, seed=4))
+    assert not env_latencies(GenerateParams(), ids, seed=3).any()

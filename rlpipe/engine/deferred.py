@@ -1,0 +1,40 @@
+"""Worker calls awaited later: what lets the trainer go on while the rollout replicas load weights."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rlpipe.errors import RlpipeError
+
+
+class DeferredCalls:
+    """Mixin of the workers facades (Ray and in-process): ``defer`` futures now, ``settle`` them later.
+
+    The facade provides ``resolve(futures)``. Thread-safe: a mode's helper thread
+    may settle while the driver's main thread defers the next push.
+    """
+
+    def __init__(self) -> None:
+        self._deferred: list[tuple[list[Any], str]] = []
+        self._deferred_lock = threading.Lock()
+
+    def defer(self, futures: list[Any], failure: str) -> None:
+        """Keep ``call_async`` results to be awaited by ``settle``; ``failure`` prefixes their error."""
+        with self._deferred_lock:
+            self._deferred.append((list(futures), failure))
+
+    def settle(self) -> list[Any]:
+        """Wait for everything deferred so far; returns the results (flattened), raises the first failure."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, []
+        results: list[Any] = []
+        for futures, failure in deferred:
+            try:
+                results.extend(self.resolve(futures))
+            except Exception as exc:
+                raise RlpipeError(f"{failure}: {exc}") from exc
+        return results
+
+    def resolve(self, futures: list[Any]) -> list[Any]:
+        raise NotImplementedError
