@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from rlpipe.engine.rollout_feeder import HeadStage
-from rlpipe.errors import ConfigError
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.modes.async_common import AsyncMode, check_async
 from rlpipe.registry import registry
 
@@ -112,6 +112,8 @@ class SeparateAsyncMode(AsyncMode):
         workers = self.runtime.workers
         try:
             reports = workers.resolve(futures if futures is not None else workers.call_async("rollout", "feed_drain"))
+        except RlpipeError:  # in-process: the feeder's own error (a StageError names kind, impl, step)
+            raise
         except Exception as exc:  # noqa: BLE001 - Ray wraps the replica's exception; its cause is ours
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, BaseException) else exc) from None

@@ -9,7 +9,7 @@ from conftest import Recorder, quickstart_raw
 from rlpipe.engine.config_io import validate_config
 from rlpipe.engine.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
-from rlpipe.errors import ConfigError, PlanError
+from rlpipe.errors import ConfigError, PlanError, StageError
 
 
 COMPARED = ["uid", "sample_index", "prompt_ids", "response_ids", "rollout_logprobs", "token_versions",
@@ -121,3 +121,33 @@ def test_colocate_releases_the_engine_for_the_update_and_resumes_partial_rollout
             assert versions == sorted(versions) and set(versions) <= {max(step - 1, 0), step}
             spanning += len(set(versions)) == 2
     assert spanning > 0, "some trajectory was aborted before an update and resumed on the new weights"
+
+
+def _out_of_range(responses, ground_truths):
+    return np.full(len(responses), 2.0)
+
+
+def test_a_reward_failing_in_a_rollout_replica_fails_the_run_with_kind_impl_and_step(tmp_path):
+    from rlpipe.stages.scorers import SCORERS
+
+    if "test_async_out_of_range" not in SCORERS:
+        SCORERS.add("test_async_out_of_range", _out_of_range)
+    raw = _raw("separate_async", steps=2, mode_params={"max_off_policy_threshold": 2})
+    for stage in raw["stages"]:
+        if stage["kind"] == "reward":
+            stage["params"] = {"routes": {"digits": "test_async_out_of_range"}}
+    with pytest.raises(StageError) as err:  # scored in the replica's feeder, raised in the driver
+        _run(raw, tmp_path)
+    message = str(err.value)
+    assert "reward" in message and "rule" in message and "step 0" in message and "[0, 1]" in message
+
+
+def test_separate_async_scores_in_the_replicas_and_records_their_lineage(tmp_path):
+    rec = _run(_raw("separate_async", steps=3, mode_params={"max_off_policy_threshold": 2}), tmp_path)
+    generated = [r for r in rec.records if r.kind == "generate"]
+    scored = [r for r in rec.records if r.kind == "reward"]
+    assert generated and len(scored) == len(generated)
+    by_output = {r.output_fingerprint for r in generated}
+    assert all(r.input_fingerprint in by_output for r in scored)  # each reward ran on what a replica generated
+    assert sum(r.rows_out for r in generated) >= 3 * 4 * 4  # every consumed trajectory was recorded
+    assert all(0 <= m["weight_sync/deferred_aborted_requests"] for m in rec.metrics.values())
