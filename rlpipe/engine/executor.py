@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
-from rlpipe.engine.lineage import fingerprint, policy_versions
+from rlpipe.engine.lineage import execution_fields, fingerprint
 from rlpipe.engine.observer import NodeRecord, Observer
 from rlpipe.engine.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
@@ -113,14 +113,9 @@ class StepExecutor:
         """Hand a lineage record of one node execution to the observer; returns the output fingerprint.
 
         Modes call this directly for work done outside ``run`` (e.g. continuous generation)."""
-        out_fp = fingerprint(table_out)
-        if input_fp is None:
-            input_fp = fingerprint(table_in) if table_in is not None else ""
-        self.record_external(step, node, input_fingerprint=input_fp, output_fingerprint=out_fp,
-                             rows_in=table_in.num_rows if table_in is not None else 0, rows_out=table_out.num_rows,
-                             policy_versions=policy_versions(table_out), start_time=start, duration_s=duration,
-                             metrics=metrics)
-        return out_fp
+        fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp)
+        self.record_external(step, node, **fields)
+        return fields["output_fingerprint"]
 
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,

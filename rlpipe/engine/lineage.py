@@ -175,6 +175,25 @@ def policy_versions(table: pa.Table) -> list[int]:
     return [int(v) for v in np.sort(distinct)]
 
 
+def execution_fields(table_in: pa.Table | None, table_out: pa.Table, start: float, duration: float,
+                     metrics: dict[str, float], input_fp: str | None = None) -> dict[str, Any]:
+    """The NodeRecord fields of one node execution that come from its data (fingerprints, rows,
+    versions) and its timing; whoever ran it adds run, step and node (the executor, or a rollout
+    replica's feeder whose records the driver forwards). ``input_fp`` saves re-hashing a known input."""
+    if input_fp is None:
+        input_fp = fingerprint(table_in) if table_in is not None else ""
+    return {
+        "input_fingerprint": input_fp,
+        "output_fingerprint": fingerprint(table_out),
+        "rows_in": table_in.num_rows if table_in is not None else 0,
+        "rows_out": table_out.num_rows,
+        "policy_versions": policy_versions(table_out),
+        "start_time": start,
+        "duration_s": duration,
+        "metrics": dict(metrics),
+    }
+
+
 # ---------------------------------------------------------------------------
 # lineage table (one row per NodeRecord)
 

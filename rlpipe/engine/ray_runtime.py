@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from rlpipe.errors import StageError
-from rlpipe.jagged import contiguous
 from rlpipe.engine.deferred import DeferredCalls
 from rlpipe.engine.wire import register_arrow_ipc
+from rlpipe.errors import StageError
+from rlpipe.jagged import contiguous
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
 

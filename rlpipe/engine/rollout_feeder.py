@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlpipe.engine.executor import apply_result
-from rlpipe.engine.lineage import fingerprint, policy_versions
+from rlpipe.engine.lineage import execution_fields
 from rlpipe.engine.ray_runtime import _run_stage
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import PROMPT_STEP
@@ -133,16 +133,18 @@ class RolloutFeeder:
         if prompts.num_rows == 0:
             return
         steps = prompts.column(PROMPT_STEP).to_numpy()
-        for step in np.unique(steps):  # one seed per submission step, as the generate stage of that step
-            rows = prompts.filter(pa.array(steps == step)) if len(np.unique(steps)) > 1 else prompts
+        distinct = np.unique(steps)
+        for step in distinct:  # one seed per submission step, as the generate stage of that step
+            rows = prompts.filter(pa.array(steps == step)) if len(distinct) > 1 else prompts
             self.service.submit(rows, self.gen_params, self.seed_of_step(int(step)))
-        self._counts["pulled"] += prompts.num_rows
+        with self._lock:
+            self._counts["pulled"] += prompts.num_rows
 
     def _score(self, table: pa.Table, collect_start: float) -> pa.Table:
         """The collected groups after the generation-side stages (records kept for the driver)."""
         step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
-        records = [_record("generate", None, table, collect_start, time.time() - collect_start,
-                           {"generate/collected_rows": float(table.num_rows)})]
+        records = [{"node": "generate", **execution_fields(None, table, collect_start, time.time() - collect_start,
+                                                             {"generate/collected_rows": float(table.num_rows)})}]
         fp = records[0]["output_fingerprint"]
         for node in self.head:
             start = time.time()
@@ -155,7 +157,7 @@ class RolloutFeeder:
                 raise
             except Exception as exc:
                 raise StageError(node.kind, node.impl, step, exc) from exc
-            rec = _record(node.name, table, out, start, time.time() - start, result.metrics, fp)
+            rec = {"node": node.name, **execution_fields(table, out, start, time.time() - start, result.metrics, fp)}
             records.append(rec)
             table, fp = out, rec["output_fingerprint"]
         with self._lock:
@@ -178,18 +180,3 @@ class RolloutFeeder:
         self._stop.set()
         self._thread.join(timeout)
 
-
-def _record(node: str, table_in: pa.Table | None, table_out: pa.Table, start: float, duration: float,
-            metrics: dict[str, float], input_fp: str | None = None) -> dict[str, Any]:
-    """The parts of a NodeRecord that only this process can fill (the driver adds run, step, node meta)."""
-    return {
-        "node": node,
-        "input_fingerprint": input_fp if input_fp is not None else (fingerprint(table_in) if table_in is not None else ""),
-        "output_fingerprint": fingerprint(table_out),
-        "rows_in": table_in.num_rows if table_in is not None else 0,
-        "rows_out": table_out.num_rows,
-        "policy_versions": policy_versions(table_out),
-        "start_time": start,
-        "duration_s": duration,
-        "metrics": dict(metrics),
-    }

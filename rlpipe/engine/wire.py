@@ -2,10 +2,10 @@
 
 Ray's own reducer for ``pa.Table`` (ray._private.arrow_serialization) turns each
 column into Python payload objects; for the batches the engine moves (tens of
-columns, list-typed token columns) that costs 3-4× more than one Arrow IPC
+columns, list-typed token columns) that costs 2-4× more than one Arrow IPC
 stream, which Ray then ships as a single out-of-band buffer and the receiver
-maps without copying (64 rows × 18 columns: 4.7 ms → 1.2 ms per actor call on
-this machine, measured in the session that added this). The stream carries only
+maps without copying (64 rows × 18 columns: 2.5-4.7 ms → 1.2-1.3 ms per actor
+call on this machine, measured in the session that added this). The stream carries only
 the rows a sliced table references, like Ray's reducer.
 
 The reducer is registered per process (cloudpickle's dispatch table) by every
