@@ -67,6 +67,23 @@ class Recorder:
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def prompt_table(tokenizer, texts, step: int, prefix: str = "p"):
+    """Prompt rows as the loader makes them: uid ``{prefix}{i}``, data_source digits, ground truth ``i``."""
+    import numpy as np
+    import pyarrow as pa
+
+    from rlpipe.jagged import from_flat
+
+    ids = [tokenizer.encode(t) for t in texts]
+    return pa.table({
+        "uid": pa.array([f"{prefix}{i}" for i in range(len(texts))], pa.string()),
+        "data_source": pa.array(["digits"] * len(texts), pa.string()),
+        "ground_truth": pa.array([str(i) for i in range(len(texts))], pa.string()),
+        "prompt_ids": from_flat(np.array(sum(ids, []), np.int32), np.array([len(x) for x in ids]), pa.int32()),
+        "prompt_step": pa.array([step] * len(texts), pa.int32()),
+    })
+
+
 def quickstart_raw(**changes) -> dict:
     """The quickstart pipeline as a raw dict, with top-level sections updated from ``changes``."""
     raw = yaml.safe_load((ROOT / "pipelines" / "quickstart.yaml").read_text())

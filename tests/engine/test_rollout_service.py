@@ -3,7 +3,6 @@
 import threading
 import time
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -15,12 +14,12 @@ from rlpipe.backends.weights import export_buckets
 from rlpipe.engine.workers import RolloutState
 from rlpipe.engine.rollout_service import RolloutService, RolloutServiceError
 from rlpipe.errors import BatchError
-from rlpipe.jagged import SequenceInputs, from_flat, to_padded
+from rlpipe.jagged import SequenceInputs, to_padded
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, PipelineConfig, TokenizerConfig
 from rlpipe.stage import StageContext
 from rlpipe.stages.generate import GenerateParams, generate, generation_seed
 
-from conftest import quickstart_raw
+from conftest import prompt_table, quickstart_raw
 
 TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
 TEXTS = ("1+2=", "abc", "h 7 + 10 =", "88", "d e f")
@@ -34,14 +33,7 @@ def model(seed=0):
 
 
 def prompts(texts=TEXTS, prefix="p") -> pa.Table:
-    ids = [TOK.encode(t) for t in texts]
-    return pa.table({
-        "uid": pa.array([f"{prefix}{i}" for i in range(len(texts))], pa.string()),
-        "data_source": pa.array(["digits"] * len(texts), pa.string()),
-        "ground_truth": pa.array([str(i) for i in range(len(texts))], pa.string()),
-        "prompt_ids": from_flat(np.array(sum(ids, []), np.int32), np.array([len(x) for x in ids]), pa.int32()),
-        "prompt_step": pa.array([3] * len(texts), pa.int32()),
-    })
+    return prompt_table(TOK, texts, 3, prefix)
 
 
 class GatedEngine(RolloutEngine):

@@ -6,11 +6,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from conftest import prompt_table
 from rlpipe.backends.engine import RolloutEngine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.errors import BatchError
-from rlpipe.jagged import from_flat
 from rlpipe.schemas.batch import COLUMN_TYPES, PROMPT_COLUMNS
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 from rlpipe.stage import StageContext, stage_registry
@@ -26,14 +26,7 @@ def worker(version=0):
 
 
 def prompts(texts=("1+2=", "abc", "h 7 + 10 =")) -> pa.Table:
-    ids = [TOK.encode(t) for t in texts]
-    return pa.table({
-        "uid": pa.array([f"p{i}" for i in range(len(texts))], pa.string()),
-        "data_source": pa.array(["digits"] * len(texts), pa.string()),
-        "ground_truth": pa.array([str(i) for i in range(len(texts))], pa.string()),
-        "prompt_ids": from_flat(np.array(sum(ids, []), np.int32), np.array([len(x) for x in ids]), pa.int32()),
-        "prompt_step": pa.array([5] * len(texts), pa.int32()),
-    })
+    return prompt_table(TOK, texts, 5)
 
 
 def run(batch, params=GenerateParams(n=4, max_tokens=10), step=5, seed=0, version=0):
