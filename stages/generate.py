@@ -4,7 +4,7 @@ Group sampling as in GRPO (Shao et al., 2024, "DeepSeekMath"): every prompt row
 becomes ``n`` trajectory rows sharing its ``uid`` (``sample_index`` 0..n-1),
 each with its response tokens, the rollout engine's sampled-token logprobs and
 the policy version of every token. Runs inside each rollout worker on its shard
-of prompts, through the worker's :class:`~rlpipe.backends.engine.RolloutEngine`.
+of prompts, through the worker's :class:`~rlpipe.inference.contract.RolloutEngine`.
 
 Randomness: one seed per (run seed, step, dp rank), and the engine's per-request
 streams are keyed by ``uid/sample_index``, so a rerun reproduces every token.
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ConfigDict, Field
 
-from rlpipe.backends.requests import GenerationRequest, GenerationResult, SamplingParams
+from rlpipe.inference.contract import GenerationRequest, GenerationResult, SamplingParams
 from rlpipe.errors import BatchError
 from rlpipe.jagged import from_flat, offsets_and_values
 from rlpipe.schemas.batch import (

@@ -1,7 +1,7 @@
 """The continuous rollout service of the async modes: a background decode loop around one engine.
 
 A daemon thread inside the rollout worker process owns the stepping of a
-:class:`~rlpipe.backends.engine.RolloutEngine`: while requests are in flight it
+:class:`~rlpipe.inference.contract.RolloutEngine`: while requests are in flight it
 calls ``engine.step()`` and files finished trajectories by group; when there is
 nothing to do it sleeps on a condition variable (no busy spin). Callers submit
 prompt tables and collect *complete groups* (all ``n`` samples of a uid) as
@@ -41,8 +41,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from rlpipe.backends.engine import RolloutEngine
-from rlpipe.backends.requests import EngineError, GenerationRequest, GenerationResult
+from rlpipe.inference.contract import RolloutEngine
+from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult
 from rlpipe.errors import BatchError, RlpipeError
 from rlpipe.schemas.batch import UID, column_type
 from rlpipe.stages.generate import PASS_THROUGH, GenerateParams, group_requests, trajectory_table

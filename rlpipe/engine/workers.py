@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlpipe.backends.engine import RolloutEngine
+from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import load_buckets
@@ -49,7 +49,7 @@ class RolloutState:
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
         model = build_model(config.model, self.tokenizer, config.seed)
-        self.engine = RolloutEngine(model, self.tokenizer)
+        self.engine = EmbeddedEngine(model, self.tokenizer)
         self._released_aborted = 0
 
     def load_weights(self, buckets, version: int) -> int:

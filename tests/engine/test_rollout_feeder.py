@@ -10,7 +10,7 @@ from rlpipe.schemas.batch import REWARD, STATUS, TOKEN_REWARDS, column_type
 from rlpipe.stages.generate import GenerateParams, generate, generation_seed
 from test_rollout_service import TOK, model, prompts, wait_for
 
-from rlpipe.backends.engine import RolloutEngine
+from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.engine.lineage import fingerprint
 from rlpipe.engine.replay_buffer import ReplayBuffer, ReplayBufferParams, SharedSampler
 from rlpipe.engine.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
@@ -34,7 +34,7 @@ def rig():
     made = []
 
     def make(head=(REWARD_NODE,), store_groups=1, threshold=8):
-        service = RolloutService(RolloutEngine(model(), TOK), TOK)
+        service = RolloutService(EmbeddedEngine(model(), TOK), TOK)
         buffer = SharedSampler(ReplayBuffer(ReplayBufferParams(group_size=GEN.n, groups_per_step=5,
                                                                max_off_policy_threshold=threshold)))
         feeder = RolloutFeeder(service, SamplerClient(buffer), list(head), GEN.model_dump(), seed_of,
@@ -54,7 +54,7 @@ def test_feeder_generates_scores_and_stores_what_the_generate_stage_would(rig):
     batch = buffer.sample_wait(5, 3, timeout=30)
     assert batch is not None and batch.num_rows == 10
     # the same tokens as the synchronous generate stage at the prompts' submission step
-    sync = generate(type("W", (), {"engine": RolloutEngine(model(), TOK), "tokenizer": TOK})(),
+    sync = generate(type("W", (), {"engine": EmbeddedEngine(model(), TOK), "tokenizer": TOK})(),
                     prompts(), GEN, StageContext(step=3, seed=5)).table
     key = lambda t: t.sort_by([("uid", "ascending"), ("sample_index", "ascending")])
     for column in ("uid", "sample_index", "response_ids", "rollout_logprobs", "token_versions"):

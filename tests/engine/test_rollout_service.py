@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlpipe.backends.engine import EngineError, GenerationRequest, RolloutEngine, SamplingParams
+from rlpipe.inference.embedded import EmbeddedEngine, EngineError, GenerationRequest, SamplingParams
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
@@ -36,7 +36,7 @@ def prompts(texts=TEXTS, prefix="p") -> pa.Table:
     return prompt_table(TOK, texts, 3, prefix)
 
 
-class GatedEngine(RolloutEngine):
+class GatedEngine(EmbeddedEngine):
     """An engine that decodes only as many steps as the test allows (other steps return nothing)."""
 
     def __init__(self, *args, **kwargs):
@@ -57,7 +57,7 @@ def service():
     services = []
 
     def make(engine=None, **kw):
-        svc = RolloutService(engine or RolloutEngine(model(), TOK, **kw), TOK)
+        svc = RolloutService(engine or EmbeddedEngine(model(), TOK, **kw), TOK)
         services.append(svc)
         return svc
 
@@ -82,7 +82,7 @@ def forward_logprobs(m, table: pa.Table) -> torch.Tensor:
 
 def test_rows_equal_the_sync_generate_stage_bit_for_bit(service):
     params = GenerateParams(n=4, max_tokens=12, temperature=0.9, top_k=8)
-    sync = generate(type("W", (), {"engine": RolloutEngine(model(), TOK, version=2), "tokenizer": TOK})(),
+    sync = generate(type("W", (), {"engine": EmbeddedEngine(model(), TOK, version=2), "tokenizer": TOK})(),
                     prompts(), params, CTX).table
     svc = service(version=2)
     assert svc.submit(prompts(), params.model_dump(), SEED) == 20  # params as a dict, as modes send them
@@ -162,7 +162,7 @@ def test_pause_push_resume_switches_versions_exactly_at_the_push(service):
 
     # the old part is what the old weights alone sample; the new part is what the new weights sample
     # when given that prefix (same streams: seed, id, position)
-    sync = generate(type("W", (), {"engine": RolloutEngine(model(0), TOK), "tokenizer": TOK})(),
+    sync = generate(type("W", (), {"engine": EmbeddedEngine(model(0), TOK), "tokenizer": TOK})(),
                     prompts(), params, CTX).table.column("response_ids").to_pylist()
     rows = table.to_pylist()
     for row, reference in zip(rows, sync):
@@ -174,7 +174,7 @@ def test_pause_push_resume_switches_versions_exactly_at_the_push(service):
                           r["response_ids"][:k], r["rollout_logprobs"][:k], r["token_versions"][:k])
         for r in moved_rows
     ]
-    direct = RolloutEngine(model(1), TOK, version=4).generate(resumed)
+    direct = EmbeddedEngine(model(1), TOK, version=4).generate(resumed)
     for row, d in zip(moved_rows, direct):
         assert row["response_ids"] == d.response_ids.tolist()
 
@@ -194,7 +194,7 @@ def test_pause_and_resume_without_a_push_changes_no_token(service):
     engine.allowed = None
     svc.resume()
     table = svc.collect(min_groups=5, timeout=20)
-    sync = generate(type("W", (), {"engine": RolloutEngine(model(), TOK), "tokenizer": TOK})(),
+    sync = generate(type("W", (), {"engine": EmbeddedEngine(model(), TOK), "tokenizer": TOK})(),
                     prompts(), params, CTX).table
     assert table.column("response_ids").equals(sync.column("response_ids"))
     got, want = (to_padded(t.column("rollout_logprobs"), 0.0, torch.float32) for t in (table, sync))
@@ -284,7 +284,7 @@ def test_errors_say_what_to_do(service):
 
 
 def test_a_failing_engine_step_surfaces_to_callers(service):
-    class Broken(RolloutEngine):
+    class Broken(EmbeddedEngine):
         def step(self):
             raise RuntimeError("boom")
 

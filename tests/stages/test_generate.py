@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from conftest import prompt_table
-from rlpipe.backends.engine import RolloutEngine
+from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.errors import BatchError
@@ -22,7 +22,7 @@ TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
 def worker(version=0):
     arch = ArchitectureConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
     model = build_model(ModelConfig(architecture=arch), TOK, seed=0)
-    return SimpleNamespace(engine=RolloutEngine(model, TOK, version=version), tokenizer=TOK)
+    return SimpleNamespace(engine=EmbeddedEngine(model, TOK, version=version), tokenizer=TOK)
 
 
 def prompts(texts=("1+2=", "abc", "h 7 + 10 =")) -> pa.Table:

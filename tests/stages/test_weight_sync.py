@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import eval_logits
-from rlpipe.backends.engine import EngineError, GenerationRequest, SamplingParams
+from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingParams
 from rlpipe.engine.inline import LocalWorkerCalls
 from rlpipe.engine.train_state import TrainState
 from rlpipe.engine.workers import RolloutState

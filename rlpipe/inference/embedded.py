@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from rlpipe.backends import sampling
-from rlpipe.backends.requests import (
+from rlpipe.inference import sampling
+from rlpipe.inference.contract import (
     EngineError,
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    RolloutEngine,
     SamplingParams,
     make_result,
 )
@@ -49,7 +50,7 @@ from rlpipe.backends.weights import WeightBucket, load_buckets
 if TYPE_CHECKING:  # transformers costs seconds to import; stage modules import this one at plan time
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["EngineError", "GenerationRequest", "GenerationResult", "RolloutEngine", "SamplingParams"]
+__all__ = ["EmbeddedEngine", "EngineError", "GenerationRequest", "GenerationResult", "SamplingParams"]
 
 
 @dataclass
@@ -71,7 +72,7 @@ class _Cohort:
     logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [B]
 
 
-class RolloutEngine:
+class EmbeddedEngine(RolloutEngine):
     """Embedded CPU inference engine holding one model, its tokenizer and its policy version.
 
     The engine owns ``model`` (it switches it to eval mode and overwrites its
@@ -150,23 +151,8 @@ class RolloutEngine:
         done, self._done = self._done, []
         return done
 
-    def generate(self, requests: Iterable[GenerationRequest]) -> list[GenerationResult]:
-        """Submit ``requests`` and step until all of them finished; results in request order."""
-        requests = list(requests)
-        self.submit(requests)
-        wanted = {r.request_id for r in requests}
-        found: dict[str, GenerationResult] = {}
-        others: list[GenerationResult] = []
-        while len(found) < len(wanted):
-            if (wait := self.next_ready_in()) > 0:  # only requests waiting for their environment
-                time.sleep(wait)
-            for result in self.step():
-                if result.request_id in wanted:
-                    found[result.request_id] = result
-                else:
-                    others.append(result)
-        self._done.extend(others)  # results of other callers wait for their next step()
-        return [found[r.request_id] for r in requests]
+    def _keep_for_next_step(self, results: list[GenerationResult]) -> None:
+        self._done.extend(results)
 
     def abort_all(self) -> list[GenerationResult]:
         """Stop every request; each returns its partial tokens with finish_reason "abort"."""
@@ -180,7 +166,7 @@ class RolloutEngine:
 
     # -- weights and memory ---------------------------------------------------------
 
-    def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> None:
+    def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> dict[str, float]:
         """Load pushed weights (checked before any is written) and adopt their policy ``version``."""
         if self.num_running():
             raise EngineError(
@@ -188,10 +174,19 @@ class RolloutEngine:
             )
         if version < self.version:
             raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        start = time.perf_counter()
         self._reallocate()
         load_buckets(self.model, buckets)
         self._discarded = None
-        self.version = version  # no KV cache survives: cohorts are empty, each builds its own
+        loaded = time.perf_counter()
+        self.version = version
+        self.reset_prefix_cache()
+        return {"load_s": loaded - start, "cache_reset_s": time.perf_counter() - loaded,
+                "bytes": float(sum(b.nbytes for b in buckets))}
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to drop: no KV cache outlives its cohort (prefix reuse across requests is left out),
+        and a load happens only with no cohort alive."""
 
     def sleep(self, discard_weights: bool = False) -> None:
         """Release memory between rollouts.
@@ -214,7 +209,14 @@ class RolloutEngine:
         """Undo ``sleep()``; discarded weights stay unusable until ``load_weights``."""
         self._asleep = False
 
-    asleep = property(lambda self: self._asleep, doc="True between sleep() and wake().")
+    @property
+    def asleep(self) -> bool:
+        """True between sleep() and wake()."""
+        return self._asleep
+
+    def health(self) -> dict:
+        self._check_ready()
+        return {"version": self.version, "running": self.num_running()}
 
     def _reallocate(self) -> None:
         if self._discarded is None:

@@ -5,8 +5,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlpipe.backends import sampling
-from rlpipe.backends.engine import EngineError, GenerationRequest, RolloutEngine, SamplingParams
+from rlpipe.inference import sampling
+from rlpipe.inference.embedded import EmbeddedEngine, EngineError, GenerationRequest, SamplingParams
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
@@ -25,7 +25,7 @@ def model(seed=0):
 
 
 def engine(seed=0, version=0):
-    return RolloutEngine(model(seed), TOK, version=version)
+    return EmbeddedEngine(model(seed), TOK, version=version)
 
 
 def requests(n=12, max_tokens=16, seed=7, prefix="r", **sampling_kw):
