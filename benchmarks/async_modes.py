@@ -82,7 +82,7 @@ def cpu_busy_s() -> float:
 
 
 def run_mode(mode: str, steps: int, warmup: int, mode_params: dict) -> dict:
-    from rlpipe.engine.config_io import validate_config
+    from rlpipe.engine.planning.config_io import validate_config
     from rlpipe.engine.runtime import run_pipeline
 
     config = validate_config(workload(mode, steps, mode_params))

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def step_times(inline: bool, steps: int, warmup: int) -> dict:
-    from rlpipe.engine.config_io import load_pipeline
+    from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
 
     config, text = load_pipeline(ROOT / "pipelines/quickstart.yaml", [

@@ -23,8 +23,8 @@ import rlpipe.stages.datasets  # noqa: F401
 import rlpipe.stages.scorers  # noqa: F401
 
 # Engine parts: worker roles and modes.
-import rlpipe.engine.workers  # noqa: F401
-import rlpipe.engine.replay_buffer  # noqa: F401
+import rlpipe.engine.state.roles  # noqa: F401
+import rlpipe.engine.state.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401
 import rlpipe.modes.separate_async  # noqa: F401
 import rlpipe.modes.colocate_async  # noqa: F401

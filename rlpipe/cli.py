@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _validate(path: str, overrides: list[str]) -> int:
-    from rlpipe.engine.config_io import load_pipeline
-    from rlpipe.engine.plan import build_plan
+    from rlpipe.engine.planning.config_io import load_pipeline
+    from rlpipe.engine.planning.plan import build_plan
 
     config, _ = load_pipeline(path, overrides)
     plan = build_plan(config)
@@ -59,7 +59,7 @@ def _validate(path: str, overrides: list[str]) -> int:
 def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlpipe.engine.config_io import load_pipeline
+    from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
 
     config, text = load_pipeline(path, overrides)

@@ -2,7 +2,7 @@
 
 Every model forbids unknown keys and documents every field; defaults live here
 and nowhere else. Stage and mode params are validated against the params model
-their implementation registers (see :mod:`rlpipe.engine.plan`).
+their implementation registers (see :mod:`rlpipe.engine.planning.plan`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ token ``j`` is read at the position whose hidden state predicts it (``P − 1 + 
 like the logprobs. Both stages run on the ``critic`` worker role: a
 data-parallel trainer state with ``.model`` (a :class:`CriticModel`),
 ``.optimizer_step()``, ``.all_reduce_sum()``, ``.all_reduce_mean_metrics()``,
-``.pad_token_id`` and ``.config`` (see ``rlpipe.engine.train_state.TrainState``).
+``.pad_token_id`` and ``.config`` (see ``rlpipe.engine.state.train_state.TrainState``).
 
 ``critic_update`` mirrors the actor's update: mini-batches × ``ppo_epochs``, each a
 local update whose micro-batch losses (:func:`~rlpipe.stages.algos.critic_loss.value_loss`)

@@ -11,7 +11,7 @@ streams are keyed by ``uid/sample_index``, so a rerun reproduces every token.
 
 ``group_requests`` and ``trajectory_table`` are the two halves of the stage
 without the engine call; the async modes' rollout service
-(:mod:`rlpipe.engine.rollout_service`) uses them, so its rows equal this stage's.
+(:mod:`rlpipe.engine.state.rollout_service`) uses them, so its rows equal this stage's.
 
 Left out: multi-turn tool use and partial rollouts across steps (the agent loop
 and the async modes submit to the same engine themselves); this stage runs one

@@ -33,7 +33,7 @@ def ray_session():
     """One local Ray for all end-to-end tests (starting Ray costs ~5 s)."""
     import ray
 
-    from rlpipe.engine.ray_runtime import init_ray
+    from rlpipe.engine.execution.ray_runtime import init_ray
 
     init_ray(None, 2)
     yield ray
@@ -109,7 +109,7 @@ class TrackedRun:
 @pytest.fixture(scope="session")
 def sync_run(ray_session, tmp_path_factory) -> TrackedRun:
     """3 steps of the quickstart on Ray: 2 data-parallel trainer ranks, a reference model with a KL loss."""
-    from rlpipe.engine.config_io import validate_config
+    from rlpipe.engine.planning.config_io import validate_config
     from rlpipe.engine.runtime import run_pipeline
 
     workdir = tmp_path_factory.mktemp("sync_run")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rlpipe.cli import main
-from rlpipe.engine.config_io import apply_override, load_pipeline
-from rlpipe.engine.plan import build_plan
+from rlpipe.engine.planning.config_io import apply_override, load_pipeline
+from rlpipe.engine.planning.plan import build_plan
 from rlpipe.errors import ConfigError, PlanError, RlpipeError
 
 FIXTURES = Path(__file__).parent / "fixtures"

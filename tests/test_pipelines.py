@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.engine.config_io import load_pipeline
-from rlpipe.engine.plan import build_plan
+from rlpipe.engine.planning.config_io import load_pipeline
+from rlpipe.engine.planning.plan import build_plan
 
 PIPELINES = sorted((Path(__file__).parents[1] / "pipelines").glob("*.yaml"))
 

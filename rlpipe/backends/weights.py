@@ -62,6 +62,23 @@ class WeightBucket:
         return int(self.data.nbytes)
 
 
+@dataclass(frozen=True)
+class WeightPush:
+    """One weight push as it leaves the trainer (boundary 1, export): the buckets and when they were made.
+
+    ``exported_at`` (wall clock) lets the receiving replica time boundary 2 (transport:
+    object store or shared memory, serialization included) without another round trip.
+    """
+
+    buckets: tuple[WeightBucket, ...]
+    export_s: float
+    exported_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
 def checksum(data: np.ndarray) -> str:
     """blake2b digest (hex) of a bucket's bytes."""
     return hashlib.blake2b(memoryview(np.ascontiguousarray(data)), digest_size=16).hexdigest()

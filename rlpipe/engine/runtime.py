@@ -18,14 +18,14 @@ import numpy as np
 import pyarrow as pa
 
 from rlpipe.backends.tokenizer import build_tokenizer
-from rlpipe.engine import checkpoint
-from rlpipe.engine.data import PromptLoader
-from rlpipe.engine.executor import Backend, StepExecutor
-from rlpipe.engine.lineage import trajectory_lineage
-from rlpipe.engine.inline import InlineBackend
-from rlpipe.engine.observer import NullObserver, Observer
-from rlpipe.engine.plan import Plan, build_plan
-from rlpipe.engine.ray_runtime import RayBackend, init_ray
+from rlpipe.engine.state import checkpoint
+from rlpipe.engine.state.data import PromptLoader
+from rlpipe.engine.execution.executor import Backend, StepExecutor
+from rlpipe.engine.tracking.lineage import trajectory_lineage
+from rlpipe.engine.execution.inline import InlineBackend
+from rlpipe.engine.tracking.observer import NullObserver, Observer
+from rlpipe.engine.planning.plan import Plan, build_plan
+from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import REWARD
 from rlpipe.schemas.config import PipelineConfig
@@ -103,8 +103,8 @@ class Runtime:
 def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
-    from rlpipe.engine.background_observer import BackgroundObserver
-    from rlpipe.engine.mlflow_observer import MLflowObserver
+    from rlpipe.engine.tracking.background_observer import BackgroundObserver
+    from rlpipe.engine.tracking.mlflow_observer import MLflowObserver
 
     return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id))
 

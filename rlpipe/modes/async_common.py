@@ -2,7 +2,7 @@
 
 The step DAG is cut in two. The *generation side* — ``generate`` and the nodes
 up to the staleness guard (reward) — runs continuously: prompts go to the
-rollout replicas' background services (see rlpipe.engine.rollout_service),
+rollout replicas' background services (see rlpipe.engine.state.rollout_service),
 finished groups are scored and land in the replay buffer (a Ray actor, role
 ``sampler``). The *training side* — from the ``staleness_guard`` on — runs once
 per global step on a batch the buffer serves. The guard proves the bound the
@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from rlpipe.engine.replay_buffer import SharedSampler
-from rlpipe.engine.workers import WORKER_ROLES, RoleSpec
+from rlpipe.engine.state.replay_buffer import SharedSampler
+from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.modes.base import Mode
 from rlpipe.modes.sync import check_batch_arithmetic

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from rlpipe.stage import NoParams
 
 if TYPE_CHECKING:
-    from rlpipe.engine.plan import Plan
+    from rlpipe.engine.planning.plan import Plan
     from rlpipe.engine.runtime import Runtime
     from rlpipe.schemas.config import PipelineConfig
 

@@ -7,8 +7,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import quickstart_raw
-from rlpipe.engine import runs
-from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.tracking import runs
+from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlpipe.engine.config_io import load_pipeline
+from rlpipe.engine.planning.config_io import load_pipeline
 from rlpipe.engine.runtime import run_pipeline
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlpipe.engine.config_io import load_pipeline
+from rlpipe.engine.planning.config_io import load_pipeline
 from rlpipe.engine.runtime import run_pipeline
 
 pytestmark = pytest.mark.e2e

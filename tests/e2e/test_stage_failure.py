@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlpipe.engine import runs
-from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.tracking import runs
+from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import StageError
 from rlpipe.stage import stage

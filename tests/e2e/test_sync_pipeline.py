@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlpipe.engine import runs
+from rlpipe.engine.tracking import runs
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from rlpipe.engine.background_observer import BackgroundObserver
+from rlpipe.engine.tracking.background_observer import BackgroundObserver
 
 
 class SlowRecorder:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import Recorder, quickstart_raw
-from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlpipe.engine.train_state import TrainState
+from rlpipe.engine.state.train_state import TrainState
 from rlpipe.schemas.config import (
     ArchitectureConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig, TrainerConfig,
 )
@@ -101,7 +101,7 @@ def dp_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("dp")
     # forkserver: a fresh server process imports torch/transformers/rlpipe once and forks both ranks from it
     # (spawning would import them once per rank; forking pytest would copy whatever threads it runs, e.g. Ray's)
-    mp.get_context("forkserver").set_forkserver_preload(["rlpipe.engine.train_state", "rlpipe.stages.update"])
+    mp.get_context("forkserver").set_forkserver_preload(["rlpipe.engine.state.train_state", "rlpipe.stages.update"])
     procs = mp.start_processes(_rank_main, args=(free_address(), str(out_dir)), nprocs=2, join=False,
                                start_method="forkserver")
     # the single-process references are computed while the ranks start up

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rlpipe.engine.lineage import (
+from rlpipe.engine.tracking.lineage import (
     LINEAGE_SCHEMA,
     TRAJECTORY_LINEAGE_SCHEMA,
     fingerprint,
@@ -16,7 +16,7 @@ from rlpipe.engine.lineage import (
     table_to_records,
     trajectory_lineage,
 )
-from rlpipe.engine.observer import NodeRecord
+from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.errors import BatchError
 
 

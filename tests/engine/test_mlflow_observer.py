@@ -13,10 +13,10 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from rlpipe.engine import runs  # noqa: E402
-from rlpipe.engine.lineage import LINEAGE_SCHEMA, fingerprint, params_hash  # noqa: E402
-from rlpipe.engine.mlflow_observer import MLflowObserver, TrackingError  # noqa: E402
-from rlpipe.engine.observer import NodeRecord  # noqa: E402
+from rlpipe.engine.tracking import runs  # noqa: E402
+from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash  # noqa: E402
+from rlpipe.engine.tracking.mlflow_observer import MLflowObserver, TrackingError  # noqa: E402
+from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 
 NODES = [("generate", "generate", "hf_generate"), ("reward", "reward", "rule"), ("update", "update", "ppo")]

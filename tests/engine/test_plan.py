@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from conftest import quickstart_raw
-from rlpipe.engine.config_io import validate_config
-from rlpipe.engine.plan import SOURCE, build_plan
+from rlpipe.engine.planning.config_io import validate_config
+from rlpipe.engine.planning.plan import SOURCE, build_plan
 from rlpipe.errors import PlanError
 from rlpipe.stage import StageResult, cols, stage
 

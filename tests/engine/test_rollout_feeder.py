@@ -11,10 +11,10 @@ from rlpipe.stages.generate import GenerateParams, generate, generation_seed
 from test_rollout_service import TOK, model, prompts, wait_for
 
 from rlpipe.inference.embedded import EmbeddedEngine
-from rlpipe.engine.lineage import fingerprint
-from rlpipe.engine.replay_buffer import ReplayBuffer, ReplayBufferParams, SharedSampler
-from rlpipe.engine.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
-from rlpipe.engine.rollout_service import RolloutService
+from rlpipe.engine.tracking.lineage import fingerprint
+from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams, SharedSampler
+from rlpipe.engine.state.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
+from rlpipe.engine.state.rollout_service import RolloutService
 from rlpipe.errors import StageError
 from rlpipe.stage import StageContext
 

@@ -11,8 +11,8 @@ from rlpipe.inference.embedded import EmbeddedEngine, EngineError, GenerationReq
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
-from rlpipe.engine.workers import RolloutState
-from rlpipe.engine.rollout_service import RolloutService, RolloutServiceError
+from rlpipe.engine.state.roles import RolloutState
+from rlpipe.engine.state.rollout_service import RolloutService, RolloutServiceError
 from rlpipe.errors import BatchError
 from rlpipe.jagged import SequenceInputs, to_padded
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, PipelineConfig, TokenizerConfig

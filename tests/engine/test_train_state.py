@@ -10,7 +10,7 @@ from conftest import eval_logits
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import load_buckets
-from rlpipe.engine.train_state import TrainState, lr_lambda, updates_per_step
+from rlpipe.engine.state.train_state import TrainState, lr_lambda, updates_per_step
 from rlpipe.schemas.config import (
     ArchitectureConfig, DataConfig, LRScheduleConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig,
     TrainerConfig,
@@ -109,7 +109,7 @@ def test_a_non_finite_grad_norm_skips_the_update_and_warns(bad, clip, caplog):
     first = next(state.model.parameters())
     first.grad.view(-1)[0] = bad
     before = [p.detach().clone() for p in state.model.parameters()]
-    with caplog.at_level(logging.WARNING, logger="rlpipe.engine.train_state"):
+    with caplog.at_level(logging.WARNING, logger="rlpipe.engine.state.train_state"):
         out = state.optimizer_step()
     assert not torch.isfinite(torch.tensor(out["grad_norm"]))
     for p, q in zip(state.model.parameters(), before):
@@ -129,7 +129,7 @@ def test_a_non_finite_grad_norm_skips_the_update_and_warns(bad, clip, caplog):
 
 def test_a_finite_step_does_not_warn(caplog):
     state = TrainState(config(), 0, 1, None)
-    with caplog.at_level(logging.WARNING, logger="rlpipe.engine.train_state"):
+    with caplog.at_level(logging.WARNING, logger="rlpipe.engine.state.train_state"):
         some_training(state)
     assert not [r for r in caplog.records if "non-finite" in r.getMessage()]
 

@@ -1,11 +1,11 @@
-"""Arrow tables cross Ray process lines as Arrow IPC streams (rlpipe.engine.wire)."""
+"""Arrow tables cross Ray process lines as Arrow IPC streams (rlpipe.engine.execution.wire)."""
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import ray
 
-from rlpipe.engine.wire import table_from_ipc, table_to_ipc
+from rlpipe.engine.execution.wire import table_from_ipc, table_to_ipc
 from rlpipe.jagged import contiguous, from_flat
 
 
@@ -47,7 +47,7 @@ def test_contiguous_combines_only_when_chunked():
 def _echo(table: pa.Table) -> tuple[pa.Table, str]:
     from ray import cloudpickle
 
-    from rlpipe.engine.wire import register_arrow_ipc
+    from rlpipe.engine.execution.wire import register_arrow_ipc
 
     register_arrow_ipc()  # as every engine worker does
     reducer = cloudpickle.CloudPickler.dispatch.get(pa.Table)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import Recorder, quickstart_raw
-from rlpipe.engine.config_io import validate_config
-from rlpipe.engine.plan import build_plan
+from rlpipe.engine.planning.config_io import validate_config
+from rlpipe.engine.planning.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError, PlanError, StageError
 

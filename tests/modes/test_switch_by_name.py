@@ -7,7 +7,7 @@ import math
 import pytest
 
 from conftest import Recorder, quickstart_raw
-from rlpipe.engine.config_io import validate_config
+from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.registry import registry
 

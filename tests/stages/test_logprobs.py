@@ -10,9 +10,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlpipe.engine.ray_runtime import _run_stage
-from rlpipe.engine.train_state import TrainState
-from rlpipe.engine.workers import ReferenceState
+from rlpipe.engine.stage_call import run_stage
+from rlpipe.engine.state.train_state import TrainState
+from rlpipe.engine.state.roles import ReferenceState
 from rlpipe.errors import BatchError, StageError
 from rlpipe.schemas.config import (
     ArchitectureConfig, ModelConfig, PipelineConfig, ResourcesConfig, TokenizerConfig, TrainerConfig,
@@ -129,7 +129,7 @@ def test_bypass_without_the_column_says_how_to_get_it():
 def test_bypass_with_null_rows_names_their_count_and_the_stage():
     with_null = pa.array([[-0.5, -1.0, -2.0, -0.1], None, [-0.7, -1.5, -0.2]], F32)
     with pytest.raises(StageError, match=r"but 1 rows have none; make the generate stage") as err:
-        _run_stage("old_log_prob", "bypass", {}, batch(rollout_logprobs=with_null), ctx())
+        run_stage("old_log_prob", "bypass", {}, batch(rollout_logprobs=with_null), ctx())
     assert (err.value.kind, err.value.impl, err.value.step) == ("old_log_prob", "bypass", 3)
     assert isinstance(err.value.cause, BatchError)
 

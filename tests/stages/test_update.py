@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlpipe.engine.train_state import TrainState
+from rlpipe.engine.state.train_state import TrainState
 from rlpipe.schemas.config import (
     ArchitectureConfig, DataConfig, LRScheduleConfig, ModelConfig, OptimizerConfig, PipelineConfig, ResourcesConfig,
     TokenizerConfig, TrainerConfig,

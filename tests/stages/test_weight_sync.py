@@ -6,9 +6,9 @@ import torch
 
 from conftest import eval_logits
 from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingParams
-from rlpipe.engine.inline import LocalWorkerCalls
-from rlpipe.engine.train_state import TrainState
-from rlpipe.engine.workers import RolloutState
+from rlpipe.engine.execution.inline import LocalWorkerCalls
+from rlpipe.engine.state.train_state import TrainState
+from rlpipe.engine.state.roles import RolloutState
 from rlpipe.schemas.config import (
     ArchitectureConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig, TrainerConfig,
 )
@@ -59,6 +59,12 @@ def test_push_bumps_the_version_and_the_engine_serves_the_trainers_weights(roles
     metrics = push(workers)
 
     assert metrics["weight_sync/version"] == 1.0
+    n_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert n_bytes <= metrics["weight_sync/bytes"] < n_bytes + 64 * 64  # tensors aligned to 64 bytes
+    assert metrics["weight_sync/buckets"] == 1.0
+    for boundary in ("export_s", "transport_s", "load_s", "cache_reset_s", "resume_s"):
+        assert 0.0 <= metrics[f"weight_sync/{boundary}"] <= metrics["weight_sync/push_s"], boundary
+    assert metrics["weight_sync/mb_per_s"] > 0
     assert trainer.get_version() == 1 and rollout.get_version() == 1 and rollout.engine.version == 1
     assert metrics["weight_sync/aborted_requests"] == 0.0
     assert torch.equal(logits(rollout.engine.model), logits(trainer.model))

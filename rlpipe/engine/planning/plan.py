@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
-from rlpipe.engine.lineage import params_hash
+from rlpipe.engine.tracking.lineage import params_hash
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import PROMPT_COLUMNS, column_type

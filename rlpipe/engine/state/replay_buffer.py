@@ -55,7 +55,7 @@ import pyarrow.compute as pc
 import torch
 from pydantic import Field
 
-from rlpipe.engine.lineage import trajectory_lineage
+from rlpipe.engine.tracking.lineage import trajectory_lineage
 from rlpipe.jagged import contiguous
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlpipe.engine.deferred import DeferredCalls
-from rlpipe.engine.ray_runtime import _run_stage, shard_rows
-from rlpipe.engine.workers import WORKER_ROLES
+from rlpipe.engine.execution.deferred import DeferredCalls
+from rlpipe.engine.stage_call import run_stage, shard_rows
+from rlpipe.engine.state.roles import WORKER_ROLES
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import StageContext, StageResult
@@ -66,14 +66,19 @@ class InlineBackend:
         return len(self.states.get(role, [None]))
 
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
-        return _run_stage(kind, impl, params, table, ctx)
+        return run_stage(kind, impl, params, table, ctx)
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
                        ctxs: list[StageContext]) -> list[StageResult]:
-        return [_run_stage(kind, impl, params, t, c, s) for s, t, c in zip(self.states[role], tables, ctxs)]
+        return [run_stage(kind, impl, params, t, c, s) for s, t, c in zip(self.states[role], tables, ctxs)]
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         return shard_rows(table, len(self.states[role]), self.sharded[role], dp_rank_column)
 
     def shutdown(self) -> None:
+        """Close every state (a rollout replica stops the engine server it owns) and forget them."""
+        for states in self.states.values():
+            for state in states:
+                if callable(close := getattr(state, "close", None)):
+                    close()
         self.states.clear()

@@ -4,26 +4,45 @@ A role (``actor``, ``rollout``, ``ref``, ``critic`` ...) is registered in the
 ``worker_role`` registry with a builder and whether it is data-parallel
 (*sharded*: each worker gets the rows whose ``dp_rank`` is its rank) or
 replicated (rows split evenly across replicas). The Ray actor that hosts a
-role is generic (:mod:`rlpipe.engine.ray_runtime`); this module is Ray-free so
+role is generic (:mod:`rlpipe.engine.execution.ray_runtime`); this module is Ray-free so
 the same states run inline in tests and benchmarks.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from rlpipe.inference.embedded import EmbeddedEngine
+from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
-from rlpipe.backends.weights import load_buckets
-from rlpipe.engine.train_state import TrainState
+from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
+from rlpipe.engine.state.train_state import TrainState
+from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas.config import PipelineConfig
 
 WORKER_ROLES = registry("worker_role")
+
+
+class WeightSyncError(RlpipeError):
+    """A weight push failed; the message names the boundary (seed 6.x) where it failed."""
+
+
+@contextmanager
+def _boundary(name: str) -> Iterator[None]:
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise WeightSyncError(f"weight sync failed at boundary {name}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -42,37 +61,56 @@ class RoleSpec:
 
 
 class RolloutState:
-    """A rollout replica: the embedded inference engine and the policy tokenizer."""
+    """A rollout replica: its rollout engine (the one ``generate.impl`` names) and the policy tokenizer."""
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
         torch.set_num_threads(config.trainer.torch_threads)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
         model = build_model(config.model, self.tokenizer, config.seed)
-        self.engine = EmbeddedEngine(model, self.tokenizer)
+        impl, params = _generate_stage(config)
+        workdir = os.path.join(tempfile.gettempdir(), f"rlpipe-{config.name}-rollout{rank}-{os.getpid()}")
+        inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}")
+        self.engine = build_engine(impl, inputs)
         self._released_aborted = 0
 
     def load_weights(self, buckets, version: int) -> int:
         self.engine.load_weights(buckets, version)
         return version
 
-    def push_weights(self, buckets, version: int) -> int:
-        """Weight-push boundaries 0, 3, 4: quiesce (abort in-flight requests), load, resume.
+    def push_weights(self, push: WeightPush | Sequence[WeightBucket], version: int) -> dict[str, float]:
+        """Weight-push boundaries 0 and 2-4 on this replica: quiesce (abort in-flight requests),
+        transport (arrival of the buckets), engine load, cache invalidation, resume.
 
-        With a rollout service the aborted partial trajectories resume on the new
-        weights (partial rollout), also after ``release_for_training``; without one the
-        engine is idle (sync) and simply loads. Returns the number of aborted requests."""
+        With a rollout service the aborted partial trajectories resume on the new weights
+        (partial rollout), also after ``release_for_training``; without one the engine is
+        idle (sync) and simply loads. Returns ``aborted`` (requests aborted) and seconds per
+        boundary (``quiesce_s``, ``transport_s``, ``load_s``, ``cache_reset_s``, ``resume_s``) with
+        the export's ``export_s``, ``bytes`` and ``buckets``.
+        A failure names its boundary."""
+        arrived = time.time()
+        buckets = push.buckets if isinstance(push, WeightPush) else tuple(push)
+        stats = {"transport_s": arrived - push.exported_at if isinstance(push, WeightPush) else 0.0,
+                 "export_s": push.export_s if isinstance(push, WeightPush) else 0.0,
+                 "bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
         self.engine.wake()
         service = getattr(self, "_service", None)
-        if service is None:
-            aborted = len(self.engine.abort_all())
-            self.engine.load_weights(buckets, version)
-            return aborted
-        aborted = service.pause() + self._released_aborted
+        t0 = time.perf_counter()
+        with _boundary(f"0 (quiesce rollout replica {self.rank})"):
+            aborted = len(self.engine.abort_all()) if service is None else service.pause() + self._released_aborted
         self._released_aborted = 0
-        service.load_weights(buckets, version)
-        service.resume()
-        return aborted
+        t1 = time.perf_counter()
+        with _boundary(f"3 (engine load, rollout replica {self.rank})"):
+            loaded = self.engine.load_weights(buckets, version) if service is None else \
+                service.load_weights(buckets, version)
+        t2 = time.perf_counter()
+        with _boundary(f"4 (resume, rollout replica {self.rank})"):
+            if service is not None:
+                service.resume()
+        t3 = time.perf_counter()
+        cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
+        return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
+                "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}
 
     def release_for_training(self) -> int:
         """Shared devices (colocate_async): abort in-flight requests (kept, resumed at the next
@@ -97,9 +135,9 @@ class RolloutState:
     # -- the continuous rollout service of the async modes (started on first use) -------------------
 
     def service(self):
-        """This replica's :class:`~rlpipe.engine.rollout_service.RolloutService` (its thread starts on first use)."""
+        """This replica's :class:`~rlpipe.engine.state.rollout_service.RolloutService` (its thread starts on first use)."""
         if getattr(self, "_service", None) is None:
-            from rlpipe.engine.rollout_service import RolloutService
+            from rlpipe.engine.state.rollout_service import RolloutService
 
             self._service = RolloutService(self.engine, self.tokenizer, name=f"rollout-service-{self.rank}")
         return self._service
@@ -137,9 +175,9 @@ class RolloutState:
 
     def feed_start(self, sampler, head, gen_params: dict, max_groups: int, store_groups: int, poll_s: float,
                    run_seed: int) -> None:
-        """Start this replica's :class:`~rlpipe.engine.rollout_feeder.RolloutFeeder` on ``sampler``
+        """Start this replica's :class:`~rlpipe.engine.state.rollout_feeder.RolloutFeeder` on ``sampler``
         (the sampler role's actor handle, or the object inline); restarts a running one."""
-        from rlpipe.engine.rollout_feeder import RolloutFeeder, SamplerClient
+        from rlpipe.engine.state.rollout_feeder import RolloutFeeder, SamplerClient
         from rlpipe.stage import StageContext
         from rlpipe.stages.generate import generation_seed
 
@@ -164,6 +202,21 @@ class RolloutState:
         if getattr(self, "_service", None) is not None:
             self._service.shutdown()
             self._service = None
+
+    def close(self) -> None:
+        """Stop the feeder and service threads and close the engine (a server it owns is stopped); idempotent."""
+        self.service_shutdown()
+        self.engine.close()
+
+
+def _generate_stage(config: PipelineConfig) -> tuple[str, Any]:
+    """The engine a replica runs (the generate stage's impl when it names one) and that stage's params."""
+    from rlpipe.stage import stage_registry
+
+    node = next((s for s in config.stages if s.kind == "generate"), None)
+    if node is None or node.impl not in ROLLOUT_ENGINES:
+        return "embedded", None
+    return node.impl, stage_registry("generate").get(node.impl).params_model.model_validate(node.params)
 
 
 class ReferenceState:

@@ -1,7 +1,7 @@
 """The MLflow observer: lineage and metrics of a pipeline run in MLflow.
 
 Layout of what it writes (readable with the plain MLflow client, or with
-:mod:`rlpipe.engine.runs`):
+:mod:`rlpipe.engine.tracking.runs`):
 
 * one **parent run** per pipeline run (tag ``rlpipe.role = pipeline``), in
   experiment ``tracking.experiment`` of the store at ``tracking.uri``, else
@@ -10,7 +10,7 @@ Layout of what it writes (readable with the plain MLflow client, or with
   params = the resolved config flattened to dotted keys; artifacts
   ``pipeline.yaml``, ``resolved_config.json``, ``plan_summary.json``,
   ``lineage/lineage.parquet`` (one row per (step, node), see
-  :data:`rlpipe.engine.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
+  :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
   and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
   metrics per step plus ``timing/<node>`` (seconds).
 * one **child run** per DAG node (nested through ``mlflow.parentRunId``, tag
@@ -63,9 +63,9 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlpipe.engine import runs  # noqa: E402
-from rlpipe.engine.lineage import records_to_table, table_to_records  # noqa: E402
-from rlpipe.engine.observer import NodeRecord  # noqa: E402
+from rlpipe.engine.tracking import runs  # noqa: E402
+from rlpipe.engine.tracking.lineage import records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 
@@ -113,7 +113,7 @@ def _chunks(items: list, n: int):
 
 
 class MLflowObserver:
-    """An :class:`rlpipe.engine.observer.Observer` that writes to MLflow (layout in the module docstring)."""
+    """An :class:`rlpipe.engine.tracking.observer.Observer` that writes to MLflow (layout in the module docstring)."""
 
     def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None):
         self.tracking = tracking

@@ -1,6 +1,6 @@
 """Lineage primitives: batch fingerprints, params hashes, policy versions, record tables.
 
-A node's execution record (:class:`rlpipe.engine.observer.NodeRecord`) names its
+A node's execution record (:class:`rlpipe.engine.tracking.observer.NodeRecord`) names its
 input and output batches by *fingerprint*: a content hash of the Arrow table, so
 two runs that fed a node the same data can be recognised without storing the data.
 
@@ -15,7 +15,7 @@ run-end-encoded and list-view columns are not supported (:class:`BatchError`).
 
 :func:`records_to_table` turns NodeRecords into the lineage table
 (:data:`LINEAGE_SCHEMA`, one row per record, params and metrics as JSON) that
-:mod:`rlpipe.engine.mlflow_observer` stores as ``lineage/lineage.parquet``;
+:mod:`rlpipe.engine.tracking.mlflow_observer` stores as ``lineage/lineage.parquet``;
 :func:`table_to_records` reads it back. :func:`trajectory_lineage` describes each
 trajectory of a batch: which prompt step it came from, which step consumed it and
 which policy versions produced its tokens (what the async modes' staleness is
@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlpipe.engine.observer import NodeRecord
+from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.errors import BatchError
 from rlpipe.schemas import batch as B
 

@@ -310,13 +310,14 @@ class RolloutService:
             self._file(self.engine.abort_all())
             return self._counts["requests_aborted"] - before
 
-    def load_weights(self, buckets: Sequence[Any], version: int) -> None:
-        """Push weights of policy ``version`` into the engine; pause() first if requests are in flight."""
+    def load_weights(self, buckets: Sequence[Any], version: int) -> dict[str, float]:
+        """Push weights of policy ``version`` into the engine; pause() first if requests are in flight.
+        Returns the engine's load timings (see RolloutEngine.load_weights)."""
         with self._engine_access():
             if self._in_engine:
                 raise EngineError(f"{self._in_engine} request(s) in flight: pause() the rollout service "
                                   "before a weight push")
-            self.engine.load_weights(buckets, version)
+            return self.engine.load_weights(buckets, version)
 
     def resume(self) -> int:
         """Resubmit the aborted partials (they continue on the current weights) and restart stepping.

@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Any
 
-from rlpipe.engine.observer import NodeRecord, Observer
+from rlpipe.engine.tracking.observer import NodeRecord, Observer
 
 log = logging.getLogger(__name__)
 

@@ -16,18 +16,19 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
-from rlpipe.engine.lineage import execution_fields, fingerprint
-from rlpipe.engine.observer import NodeRecord, Observer
-from rlpipe.engine.plan import Plan, PlannedNode
+from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
+from rlpipe.engine.tracking.observer import NodeRecord, Observer
+from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import DP_RANK
+from rlpipe.engine.stage_call import apply_result, as_array
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """Where stages physically run (Ray: rlpipe.engine.ray_runtime; in-process: rlpipe.engine.inline)."""
+    """Where stages physically run (Ray: rlpipe.engine.execution.ray_runtime; in-process: rlpipe.engine.execution.inline)."""
 
     workers: Any
 
@@ -162,45 +163,12 @@ def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_
     inverse = pa.array(np.argsort(order, kind="stable"))
     columns = {}
     for name in results[0].columns if results else []:
-        merged = pa.concat_arrays([_array(r.columns[name]) for r in results])
+        merged = pa.concat_arrays([as_array(r.columns[name]) for r in results])
         columns[name] = merged.take(inverse)
     return StageResult(columns=columns, metrics=metrics, carry=carry)
 
-
-def _array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
 
 
 def _mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
     keys = sorted({k for m in all_metrics for k in m})
     return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in keys}
-
-
-def apply_result(node: PlannedNode, table: pa.Table, result: StageResult) -> pa.Table:
-    """The next table: ``result`` applied to ``table``, after checking the node's write contract."""
-    if result.table is not None:
-        out = result.table
-        written = {name: out.schema.field(name).type for name in out.column_names}
-    else:
-        out = table.take(pa.array(np.asarray(result.keep, dtype=np.int64))) if result.keep is not None else table
-        written = {}
-        for name, arr in result.columns.items():
-            arr = _array(arr)
-            if len(arr) != out.num_rows:
-                raise ValueError(f"column {name!r} has {len(arr)} rows, the batch has {out.num_rows}")
-            written[name] = arr.type
-            idx = out.schema.get_field_index(name)
-            out = out.set_column(idx, name, arr) if idx >= 0 else out.append_column(name, arr)
-    missing = sorted(set(node.writes) - set(written))
-    undeclared = sorted(set(written) - set(node.writes) - (set(table.column_names) if result.table is not None else set()))
-    wrong = sorted(n for n, t in written.items() if n in node.writes and t != node.writes[n])
-    if missing or undeclared or wrong:
-        details = []
-        if missing:
-            details.append(f"declared but not written: {missing}")
-        if undeclared:
-            details.append(f"written but not declared: {undeclared}")
-        if wrong:
-            details.append("wrong types: " + ", ".join(f"{n} is {written[n]}, declared {node.writes[n]}" for n in wrong))
-        raise ValueError("stage broke its column contract: " + "; ".join(details))
-    return out

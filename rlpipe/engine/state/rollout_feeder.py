@@ -1,7 +1,7 @@
 """The rollout side of ``separate_async`` without the driver: pull prompts, generate, score, store.
 
 A :class:`RolloutFeeder` is a daemon thread inside a rollout replica, next to
-its :class:`~rlpipe.engine.rollout_service.RolloutService`. It keeps the
+its :class:`~rlpipe.engine.state.rollout_service.RolloutService`. It keeps the
 replica's service supplied with prompts pulled from the replay buffer
 (``next_pending``), collects complete groups as they finish, runs the
 generation-side stages (the reward, and whatever else sits between
@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlpipe.engine.executor import apply_result
-from rlpipe.engine.lineage import execution_fields
-from rlpipe.engine.ray_runtime import _run_stage
+from rlpipe.engine.tracking.lineage import execution_fields
+from rlpipe.engine.stage_call import apply_result, run_stage
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import PROMPT_STEP
 from rlpipe.stage import StageContext
@@ -151,7 +150,7 @@ class RolloutFeeder:
             ctx = StageContext(step=step, seed=self.run_seed, policy_version=int(self.service.engine.version),
                                extras=dict(self.extras))
             try:
-                result = _run_stage(node.kind, node.impl, node.params, table, ctx)
+                result = run_stage(node.kind, node.impl, node.params, table, ctx)
                 out = apply_result(node, table, result)
             except StageError:
                 raise

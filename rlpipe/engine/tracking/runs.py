@@ -1,6 +1,6 @@
 """Read rlpipe runs back from MLflow: for users, notebooks and tests.
 
-What :class:`rlpipe.engine.mlflow_observer.MLflowObserver` writes, read with the
+What :class:`rlpipe.engine.tracking.mlflow_observer.MLflowObserver` writes, read with the
 plain MLflow client: the parent run of a pipeline run (tag ``rlpipe.role =
 pipeline``), its node runs (``rlpipe.role = node``, nested through
 ``mlflow.parentRunId``), the lineage table (``lineage/lineage.parquet``),
@@ -99,7 +99,7 @@ def _read_parquet_artifact(c: MlflowClient, run_id: str, path: str) -> pa.Table:
 
 
 def lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
-    """The lineage table of a pipeline run (schema :data:`rlpipe.engine.lineage.LINEAGE_SCHEMA`)."""
+    """The lineage table of a pipeline run (schema :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`)."""
     return _read_parquet_artifact(client(tracking_uri), run_id, LINEAGE_ARTIFACT)
 
 

@@ -3,7 +3,7 @@
 The executor produces one :class:`NodeRecord` per (step, node) execution and
 hands it to the run's observers. Stages only return metrics; lineage (which
 weights, which impl, which input produced which output) is added here, by the
-engine. :mod:`rlpipe.engine.mlflow_observer` is the MLflow implementation.
+engine. :mod:`rlpipe.engine.tracking.mlflow_observer` is the MLflow implementation.
 """
 
 from __future__ import annotations

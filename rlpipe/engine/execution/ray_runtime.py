@@ -17,14 +17,19 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from rlpipe.engine.deferred import DeferredCalls
-from rlpipe.engine.wire import register_arrow_ipc
-from rlpipe.errors import StageError
+from rlpipe.engine.execution.deferred import DeferredCalls
+from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous
+from rlpipe.engine.stage_call import run_stage, shard_rows
+from rlpipe.engine.state.roles import WORKER_ROLES
 from rlpipe.registry import load_plugins
-from rlpipe.stage import StageContext, StageResult, stage_registry
+from rlpipe.schemas.config import PipelineConfig
+from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 30.0
+"""How long shutdown waits for workers to close their states (engine servers, threads) before killing them."""
 
 
 def init_ray(address: str | None, num_cpus: int | None) -> None:
@@ -42,26 +47,11 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
     register_arrow_ipc()
 
 
-def _run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext, state: Any = None):
-    load_plugins()
-    spec = stage_registry(spec_kind).get(impl)
-    parsed = spec.params_model.model_validate(params)
-    try:
-        if spec.placement == "worker":
-            return spec.fn(state, batch, parsed, ctx)
-        return spec.fn(batch, parsed, ctx)
-    except StageError:
-        raise
-    except Exception as exc:
-        log.exception("stage %s/%s failed at step %d", spec_kind, impl, ctx.step)
-        raise StageError(spec_kind, impl, ctx.step, exc) from exc
-
-
 @ray.remote(num_cpus=1, max_retries=0)
 def run_task_stage(kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
     """A stateless stage as a Ray task."""
     register_arrow_ipc()
-    return _run_stage(kind, impl, params, batch, ctx)
+    return run_stage(kind, impl, params, batch, ctx)
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -69,9 +59,6 @@ class WorkerActor:
     """Hosts one worker of one role; runs worker stages and role methods."""
 
     def __init__(self, role: str, rank: int, world_size: int, config: dict, dist_address: str | None):
-        from rlpipe.engine.workers import WORKER_ROLES
-        from rlpipe.schemas.config import PipelineConfig
-
         load_plugins()
         register_arrow_ipc()
         logging.basicConfig(level=logging.INFO)
@@ -82,10 +69,14 @@ class WorkerActor:
         return True
 
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
-        return _run_stage(kind, impl, params, batch, ctx, self.state)
+        return run_stage(kind, impl, params, batch, ctx, self.state)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.state, method)(*args, **kwargs)
+
+    def close(self) -> None:
+        if callable(close := getattr(self.state, "close", None)):
+            close()
 
 
 def free_address() -> str:
@@ -122,14 +113,6 @@ class WorkerGroup:
         return ray.get(self.call_async(method, *args, rank=rank, **kwargs))
 
 
-def shard_rows(table: pa.Table, size: int, sharded: bool, dp_rank_column: str) -> list[np.ndarray]:
-    """Row indices each worker gets: by ``dp_rank`` when sharded, else contiguous even chunks."""
-    if sharded and size > 1:
-        ranks = table.column(dp_rank_column).to_numpy()
-        return [np.flatnonzero(ranks == r) for r in range(size)]
-    return list(np.array_split(np.arange(table.num_rows), size))
-
-
 class RayBackend:
     """How the executor runs stages on Ray: tasks, worker actors, and the driver-stage facade."""
 
@@ -140,8 +123,6 @@ class RayBackend:
     @classmethod
     def start(cls, config, roles: set[str]) -> "RayBackend":
         """Start one worker group per role (all concurrently: DP ranks rendezvous while starting)."""
-        from rlpipe.engine.workers import WORKER_ROLES
-
         config_dict = config.model_dump(mode="json")
         groups = {}
         for role in sorted(roles):
@@ -157,6 +138,12 @@ class RayBackend:
         return backend
 
     def shutdown(self) -> None:
+        """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
+        closing = [a.close.remote() for g in self.groups.values() for a in g.actors]
+        try:
+            ray.get(closing, timeout=CLOSE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a dead or stuck worker must not keep the others alive
+            log.warning("closing workers: %s; killing them (engine servers die with their actor)", exc)
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)

@@ -14,6 +14,7 @@ import logging
 import math
 import warnings
 import os
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
-from rlpipe.backends.weights import export_buckets
+from rlpipe.backends.weights import WeightPush, export_buckets
 from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,12 @@ class TrainState:
     def export_weights(self):
         """Inference-layout weight buckets of the current model (see rlpipe.backends.weights)."""
         return export_buckets(self.model)
+
+    def export_for_push(self) -> WeightPush:
+        """``export_weights`` timed, for a weight push (boundary 1 of weight sync)."""
+        start = time.perf_counter()
+        buckets = tuple(export_buckets(self.model))
+        return WeightPush(buckets, export_s=time.perf_counter() - start, exported_at=time.time())
 
     def bump_version(self) -> int:
         self.version += 1

@@ -1,0 +1,81 @@
+"""Calling one registered stage, Ray-free: used by every backend and by the rollout feeder.
+
+``run_stage`` looks an implementation up by (kind, impl), validates its params and
+runs it, turning any failure into a :class:`~rlpipe.errors.StageError` that names
+kind, impl and step; ``apply_result`` checks a result against the node's declared
+writes and assembles the next table; ``shard_rows`` routes rows to a role's workers.
+Kept apart from the execution backends so that worker state (the rollout feeder)
+can run stages without importing them: imports run execution → state → this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from rlpipe.errors import StageError
+from rlpipe.registry import load_plugins
+from rlpipe.stage import StageContext, StageResult, stage_registry
+
+log = logging.getLogger(__name__)
+
+
+def run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext, state: Any = None):
+    load_plugins()
+    spec = stage_registry(spec_kind).get(impl)
+    parsed = spec.params_model.model_validate(params)
+    try:
+        if spec.placement == "worker":
+            return spec.fn(state, batch, parsed, ctx)
+        return spec.fn(batch, parsed, ctx)
+    except StageError:
+        raise
+    except Exception as exc:
+        log.exception("stage %s/%s failed at step %d", spec_kind, impl, ctx.step)
+        raise StageError(spec_kind, impl, ctx.step, exc) from exc
+
+
+def shard_rows(table: pa.Table, size: int, sharded: bool, dp_rank_column: str) -> list[np.ndarray]:
+    """Row indices each worker gets: by ``dp_rank`` when sharded, else contiguous even chunks."""
+    if sharded and size > 1:
+        ranks = table.column(dp_rank_column).to_numpy()
+        return [np.flatnonzero(ranks == r) for r in range(size)]
+    return list(np.array_split(np.arange(table.num_rows), size))
+
+
+def apply_result(node: PlannedNode, table: pa.Table, result: StageResult) -> pa.Table:
+    """The next table: ``result`` applied to ``table``, after checking the node's write contract."""
+    if result.table is not None:
+        out = result.table
+        written = {name: out.schema.field(name).type for name in out.column_names}
+    else:
+        out = table.take(pa.array(np.asarray(result.keep, dtype=np.int64))) if result.keep is not None else table
+        written = {}
+        for name, arr in result.columns.items():
+            arr = as_array(arr)
+            if len(arr) != out.num_rows:
+                raise ValueError(f"column {name!r} has {len(arr)} rows, the batch has {out.num_rows}")
+            written[name] = arr.type
+            idx = out.schema.get_field_index(name)
+            out = out.set_column(idx, name, arr) if idx >= 0 else out.append_column(name, arr)
+    missing = sorted(set(node.writes) - set(written))
+    undeclared = sorted(set(written) - set(node.writes) - (set(table.column_names) if result.table is not None else set()))
+    wrong = sorted(n for n, t in written.items() if n in node.writes and t != node.writes[n])
+    if missing or undeclared or wrong:
+        details = []
+        if missing:
+            details.append(f"declared but not written: {missing}")
+        if undeclared:
+            details.append(f"written but not declared: {undeclared}")
+        if wrong:
+            details.append("wrong types: " + ", ".join(f"{n} is {written[n]}, declared {node.writes[n]}" for n in wrong))
+        raise ValueError("stage broke its column contract: " + "; ".join(details))
+    return out
+
+
+def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One contiguous array from an array or a chunked array."""
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr

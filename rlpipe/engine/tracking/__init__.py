@@ -1,0 +1,1 @@
+"""Tracking: node-execution records (observer), lineage tables, MLflow logging and run lookup."""
