@@ -213,8 +213,8 @@ class RolloutService:
         Invalid requests raise here (EngineError), except while paused: those are
         held and reach the engine, and raise, at ``resume()``.
         """
-        if isinstance(params, Mapping):
-            params = GenerateParams.model_validate(params)
+        if isinstance(params, Mapping):  # sampling fields only: an engine's `server` settings are not ours
+            params = GenerateParams.model_validate({k: v for k, v in params.items() if k in GenerateParams.model_fields})
         missing = [name for name in PASS_THROUGH if name not in prompts.column_names]
         if missing:
             raise BatchError(f"rollout service: the prompt table lacks column(s) {missing}; "
