@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -66,7 +67,7 @@ _SAMPLING_DEFAULTS = {  # accepted only at SGLang's default value: the embedded 
 }
 _GENERATE_DEFAULTS = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "text": None,
                       "return_text_in_logprobs": False, "log_metrics": True, "token_ids_logprob": None}
-RESUME_KEY = "rlpipe_resume_len"
+RESUME_KEY = sglang_wire.RESUME_KEY
 
 
 class HTTPError(Exception):
@@ -513,8 +514,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="0", help="initial weight version label (SGLang's flag)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.num_threads:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not os.path.isdir(args.model_dir):
+        parser.exit(2, f"--model-dir {args.model_dir!r} is not a directory; give a local Hugging Face model "
+                       "directory (config, weights and tokenizer files)\n")
 
     from rlpipe.backends.model import build_model
     from rlpipe.backends.tokenizer import build_tokenizer

@@ -39,6 +39,9 @@ from rlpipe.inference.contract import EngineError
 
 LOAD_FORMAT = "rlpipe_buckets"
 SHM_PREFIX = "rlpipe-weights-"
+RESUME_KEY = "rlpipe_resume_len"
+"""``sampling_params.custom_params`` key: the last k input ids are a partial response being resumed
+(rlpipe's embedded server continues its counter-based random stream there; real SGLang ignores it)."""
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
