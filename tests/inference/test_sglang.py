@@ -19,6 +19,7 @@ from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingPa
 from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.inference.sglang_engine import SGLangEngine, SGLangParams
 from rlpipe.inference.sglang_server import SGLangFace
+from rlpipe.inference.sglang_wire import shm_dir
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
 TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
@@ -89,7 +90,7 @@ def test_weight_push_loads_the_new_model_and_stamps_its_version(served, transpor
     for w in want:
         w.versions[:] = 3
     assert_same(got, want)
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("rlpipe-weights-")] if os.path.isdir("/dev/shm") else True
+    assert not [f for f in os.listdir(shm_dir()) if f.startswith("rlpipe-weights-")], "bucket files left behind"
 
 
 def test_abort_returns_partials_and_resume_continues_across_a_push(served):
@@ -198,6 +199,29 @@ def test_ready_at_holds_a_request_in_the_client(served):
         got = client.step()
     assert time.monotonic() - start >= 0.3
     assert_same(got, direct([req]))
+
+
+def test_the_rollout_service_drives_the_client_through_a_push(served):
+    from conftest import prompt_table
+
+    from rlpipe.engine.rollout_service import RolloutService
+    from rlpipe.stages.generate import GenerateParams
+
+    client, face = served
+    svc = RolloutService(client, TOK)
+    try:
+        svc.submit(prompt_table(TOK, PROMPTS, 3, "p"), GenerateParams(n=2, max_tokens=200, ignore_eos=True), 11)
+        time.sleep(0.1)
+        svc.push_weights(export_buckets(model(1)), version=1)
+        table = svc.collect(min_groups=4, timeout=30)
+        stats = svc.stats()
+    finally:
+        svc.shutdown()
+    assert table.num_rows == 8 and client.version == 1
+    assert stats["requests_aborted"] == stats["requests_resumed"] == 8  # 200 tokens take longer than 0.1 s
+    for versions, ids in zip(table.column("token_versions").to_pylist(), table.column("response_ids").to_pylist()):
+        assert len(versions) == len(ids) == 200 and versions == sorted(versions) and set(versions) <= {0, 1}
+    assert any(0 in v and 1 in v for v in table.column("token_versions").to_pylist())
 
 
 def test_launched_server_generates_then_dies_loudly_and_leaves_no_process(model_dir, tmp_path):
