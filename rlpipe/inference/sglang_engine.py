@@ -33,15 +33,11 @@ across several servers (one client per server).
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import math
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +46,7 @@ from typing import Any, Iterable, Literal, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rlpipe.inference import sglang_launch, sglang_wire
+from rlpipe.inference import json_http, sglang_launch, sglang_wire
 from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -150,25 +146,9 @@ class SGLangEngine(RolloutEngine):
     def _call(self, endpoint: str, body: dict | None = None, timeout: float | None = None,
               method: str = "POST") -> Any:
         """One call; its JSON answer (or text). Any failure is an EngineError naming URL, endpoint and message."""
-        timeout = timeout or self.params.control_timeout_s
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + endpoint, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as exc:
-            message = _error_message(exc.read())
-            raise EngineError(f"SGLang server {self.url}{endpoint} answered {exc.code}: {message}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            hint = f"; see its log {self._process.log_path}" if self._process is not None else ""
-            raise EngineError(f"SGLang server {self.url}{endpoint} did not answer ({reason}; timeout {timeout:.0f} s): "
-                              f"is it running?{hint}") from None
-        try:
-            return json.loads(raw) if raw.strip() else None
-        except ValueError:
-            return raw.decode(errors="replace")
+        hint = f" (see its log {self._process.log_path})" if self._process is not None else ""
+        return json_http.call(self.url, endpoint, body, timeout or self.params.control_timeout_s, method,
+                              "SGLang server", hint)
 
     # -- requests --------------------------------------------------------------------
 
@@ -483,21 +463,6 @@ def _result(r: GenerationRequest, ids, logprobs, versions, reason) -> Generation
         finish_reason=reason,
     )
 
-
-def _error_message(raw: bytes) -> str:
-    """The message of an SGLang error body (``{"error": {"message"}}``, ``{"message"}``, ``{"detail"}`` or text)."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw.decode(errors="replace").strip() or "(empty body)"
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        for key in ("message", "detail", "error"):
-            if key in body:
-                return str(body[key])
-    return str(body)
 
 
 __all__ = ["SGLangEngine", "SGLangParams"]

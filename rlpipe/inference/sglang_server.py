@@ -37,7 +37,6 @@ exactly the tokens the embedded engine would (real SGLang ignores it);
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import threading
@@ -46,12 +45,12 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import numpy as np
 
 from rlpipe.inference import sglang_wire
+from rlpipe.inference.json_http import HTTPError, serve
 from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, SamplingParams
 from rlpipe.inference.embedded import EmbeddedEngine
 
@@ -68,14 +67,6 @@ _SAMPLING_DEFAULTS = {  # accepted only at SGLang's default value: the embedded 
 _GENERATE_DEFAULTS = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "text": None,
                       "return_text_in_logprobs": False, "log_metrics": True, "token_ids_logprob": None}
 RESUME_KEY = sglang_wire.RESUME_KEY
-
-
-class HTTPError(Exception):
-    """An answer other than 200: status and message (sent as SGLang's ``{"error": {"message": ...}}``)."""
-
-    def __init__(self, status: int, message: str, body: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.body = status, message, body
 
 
 @dataclass
@@ -104,10 +95,6 @@ class SGLangFace:
         self._closing = False
         self._hold = 0  # handlers waiting for the lock; the decode loop lets them in between steps
         self._hold_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.face = self  # type: ignore[attr-defined]
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
         self._threads: list[threading.Thread] = []
         self.routes: dict[str, tuple[tuple[str, ...], Callable[[dict], Any]]] = {
             "/generate": (("POST", "PUT"), self.generate),
@@ -128,6 +115,8 @@ class SGLangFace:
             "/get_model_info": (("GET",), self.model_info),
             "/model_info": (("GET",), self.model_info),
         }
+        self.httpd = serve(self.routes, host, port, name="rlpipe's embedded SGLang server")
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -448,61 +437,6 @@ def _as_int(value: Any, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "rlpipe-sglang-face"
-
-    def log_message(self, fmt: str, *args) -> None:  # quiet: one debug line per request
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        self._serve("GET")
-
-    def do_POST(self) -> None:
-        self._serve("POST")
-
-    def do_PUT(self) -> None:
-        self._serve("PUT")
-
-    def _serve(self, method: str) -> None:
-        face: SGLangFace = self.server.face  # type: ignore[attr-defined]
-        path = self.path.split("?", 1)[0]
-        try:
-            if path not in face.routes:
-                raise HTTPError(HTTPStatus.NOT_FOUND, f"no endpoint {path} on rlpipe's embedded SGLang server",
-                                {"detail": "Not Found"})
-            methods, handler = face.routes[path]
-            if method not in methods:
-                raise HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{path} takes {'/'.join(methods)}",
-                                {"detail": "Method Not Allowed"})
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            try:
-                body = json.loads(raw) if raw.strip() else {}
-            except ValueError as exc:
-                raise HTTPError(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}") from exc
-            if not isinstance(body, dict):
-                raise HTTPError(HTTPStatus.BAD_REQUEST, "the body must be a JSON object")
-            out = handler(body)
-            status = HTTPStatus.OK
-        except HTTPError as exc:
-            status, out = exc.status, exc.body or {"error": {"message": exc.message}}
-        except Exception as exc:  # noqa: BLE001 - a bug here must still answer the client
-            log.exception("embedded SGLang face: %s failed", path)
-            status, out = HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
-        if isinstance(out, str):
-            payload, kind = out.encode(), "text/plain; charset=utf-8"
-        else:
-            payload, kind = (b"" if out is None else json.dumps(out).encode()), "application/json"
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        try:
-            self.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
 
 
 def main(argv: list[str] | None = None) -> None:
