@@ -251,3 +251,33 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
     params = SGLangParams(model_path=str(tmp_path / "missing"), log_dir=str(tmp_path), startup_timeout_s=60)
     with pytest.raises(EngineError, match=r"exited with code \d+ before answering /health; see its log .*\.log"):
         SGLangEngine(params)
+
+
+def _dead(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie nobody reaped yet is dead too
+    except FileNotFoundError:
+        return True
+
+
+def test_the_server_dies_with_the_process_that_launched_it(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    launcher = (
+        "import sys, time\n"
+        "from rlpipe.inference import sglang_launch as L\n"
+        f"p = L.ServerProcess(L.embedded_command({model_dir!r}, L.free_port(), '0'), 'http://x', {str(tmp_path / 'log')!r})\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert not _dead(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while not _dead(child):
+        assert time.monotonic() < deadline, f"server {child} outlived its launcher"
+        time.sleep(0.05)
