@@ -69,7 +69,8 @@ class SGLangParams(BaseModel):
     """Interpreter that launches the server; defaults to this one. Real SGLang cannot share rlpipe's CPU
     venv (it installs a CUDA torch), so point this at SGLang's environment."""
     launch_args: list[str] = []
-    """Extra command-line flags for the launched server (e.g. ``["--mem-fraction-static", "0.5"]``)."""
+    """Extra command-line flags for the launched server (e.g. ``["--mem-fraction-static", "0.5"]``; real SGLang
+    needs ``--enable-memory-saver`` for sleep/wake)."""
     log_dir: str | None = None
     """Where the launched server's log goes; defaults to a fresh temporary directory."""
     startup_timeout_s: float = Field(300.0, gt=0)

@@ -58,12 +58,11 @@ def sglang_command(model_path: str, port: int, weight_version: str, host: str = 
                    python: str | None = None, extra: Sequence[str] = ()) -> list[str]:
     """Command line of a real SGLang server (flags as in sglang 0.5.23's server args).
 
-    ``--enable-memory-saver`` makes /release_memory_occupation and
-    /resume_memory_occupation (the engine's sleep/wake) work.
+    For the engine's sleep/wake (/release_memory_occupation, /resume_memory_occupation)
+    add ``--enable-memory-saver`` to ``extra`` (it needs the torch_memory_saver package).
     """
     return [python or sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-            "--host", host, "--port", str(port), "--weight-version", weight_version,
-            "--enable-memory-saver", *extra]
+            "--host", host, "--port", str(port), "--weight-version", weight_version, *extra]
 
 
 class ServerProcess:

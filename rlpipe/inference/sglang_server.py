@@ -18,7 +18,8 @@ sampling_seed, custom_params}, ``return_logprob``; ``meta_info`` with
 ``/pause_generation`` (mode abort | retract | in_place), ``/continue_generation``,
 ``/begin_weight_update``, ``/end_weight_update``, ``/update_weights_from_tensor``
 (``load_format="rlpipe_buckets"`` only: see :mod:`rlpipe.inference.sglang_wire`),
-``/update_weights_from_disk``, ``/update_weight_version``, ``/get_weight_version``,
+``/update_weights_from_disk``, ``/update_weight_version``, ``/get_weight_version`` (earlier
+SGLang releases; 0.5.23 reports the version in ``/model_info``),
 ``/flush_cache``, ``/release_memory_occupation``, ``/resume_memory_occupation``
 (tags ``weights`` / ``kv_cache``), ``/health``, ``/health_generate``,
 ``/get_model_info`` and ``/model_info``.
@@ -64,8 +65,8 @@ _SAMPLING_DEFAULTS = {  # accepted only at SGLang's default value: the embedded 
     "spaces_between_special_tokens": True, "no_stop_trim": False, "logit_bias": None, "json_schema": None,
     "regex": None, "ebnf": None, "stream_interval": None,
 }
-_GENERATE_DEFAULTS = {"stream": False, "logprob_start_len": -1, "top_logprobs_num": 0, "text": None,
-                      "return_text_in_logprobs": False, "log_metrics": True, "token_ids_logprob": None}
+_GENERATE_DEFAULTS = {"stream": False, "text": None, "input_embeds": None, "top_logprobs_num": 0,
+                      "token_ids_logprob": None, "return_hidden_states": False, "lora_path": None}
 RESUME_KEY = sglang_wire.RESUME_KEY
 
 
@@ -221,7 +222,7 @@ class SGLangFace:
 
     def _parse_generate(self, body: dict) -> _Waiter:
         for key, default in _GENERATE_DEFAULTS.items():
-            if body.get(key, default) not in (default, None) and not (key == "logprob_start_len"):
+            if body.get(key, default) not in (default, None):
                 raise HTTPError(HTTPStatus.BAD_REQUEST, f"/generate field {key!r} is not supported by rlpipe's "
                                 f"embedded SGLang server (send token ids in input_ids, non-streaming)")
         if body.get("logprob_start_len") not in (None, -1):

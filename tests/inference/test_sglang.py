@@ -11,10 +11,12 @@ import time
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from rlpipe.backends.model import build_model, save_hf_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
+from rlpipe.inference import json_http
 from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingParams
 from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.inference.sglang_engine import SGLangEngine, SGLangParams
@@ -181,9 +183,24 @@ def test_server_errors_surface_as_engine_errors_naming_the_endpoint(served):
     assert client.version == 0
     with pytest.raises(EngineError, match="already in flight"):
         client.submit(requests(n=1) + requests(n=1))
+    with pytest.raises(EngineError, match=r"/generate answered 400: /generate field 'stream' is not supported"):
+        json_http.call(face.url, "/generate", {"input_ids": [1, 2], "stream": True}, timeout=5)
+    with pytest.raises(EngineError, match=r"/update_weights_from_tensor answered 400: load_format None is not read"):
+        json_http.call(face.url, "/update_weights_from_tensor", {"serialized_named_tensors": []}, timeout=5)
+    with pytest.raises(EngineError, match=r"/v1/completions answered 404: Not Found"):
+        json_http.call(face.url, "/v1/completions", {}, timeout=5)
     face.close()
-    with pytest.raises(EngineError, match=r"/health_generate did not answer .*is it running"):
+    with pytest.raises(EngineError, match=r"SGLang server http://127.0.0.1:\d+/health_generate did not answer .*running"):
         client.health()
+
+
+def test_params_say_what_to_set():
+    with pytest.raises(ValidationError, match="set `url`"):
+        SGLangParams()
+    with pytest.raises(ValidationError, match="use weight_transport: disk with server: sglang"):
+        SGLangParams(server="sglang", model_path="/models/tiny")
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        SGLangParams(url="http://127.0.0.1:1", timeout=3)
 
 
 def test_ready_at_holds_a_request_in_the_client(served):
