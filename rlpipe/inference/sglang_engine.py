@@ -18,12 +18,12 @@ reached at ``url``.
 - ``abort_all`` posts ``/abort_request {abort_all: true}`` (repeated until every
   in-flight call has answered, so a request still on the wire is caught too) and
   returns each SGLang partial as ``finish_reason="abort"``; it never raises.
-- ``load_weights``: ``/begin_weight_update``, ``/update_weights_from_tensor``
-  (``load_format="rlpipe_buckets"``, embedded server only) or
-  ``/update_weights_from_disk`` (a safetensors checkpoint; works with real
-  SGLang), ``/end_weight_update``, then ``/flush_cache``; ``weight_version`` =
-  the pushed policy version. A push of no buckets only relabels
-  (``/update_weight_version``).
+- ``load_weights``: ``/update_weights_from_tensor`` (``load_format="rlpipe_buckets"``,
+  embedded server only; inside the ``/begin_weight_update`` .. ``/end_weight_update``
+  session sglang 0.5.23 requires, skipped on servers without those routes) or
+  ``/update_weights_from_disk`` (a safetensors checkpoint; works with real SGLang),
+  then ``/flush_cache``; ``weight_version`` = the pushed policy version. A push of
+  no buckets only relabels (``/update_weight_version``).
 - ``sleep`` / ``wake``: ``/release_memory_occupation`` / ``/resume_memory_occupation``.
 
 Left out: SGLang's pickled-tensor weight path (CUDA IPC handles; no GPU here),
