@@ -107,7 +107,8 @@ class EmbeddedEngine(RolloutEngine):
         for request in requests:
             if len(request.response_ids) >= request.max_tokens:
                 self._done.append(make_result(request, (), (), self.version, "length"))
-            elif len(request.response_ids) and int(request.response_ids[-1]) in self.stop_ids.tolist():
+            elif (len(request.response_ids) and int(request.response_ids[-1]) in self.stop_ids.tolist()
+                  and not request.sampling.ignore_eos):  # with ignore_eos an eos inside the partial is just a token
                 self._done.append(make_result(request, (), (), self.version, "stop"))
             else:
                 self._pending.append(request)

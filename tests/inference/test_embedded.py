@@ -243,3 +243,14 @@ def test_a_request_waits_for_its_environment_without_stepping_and_keeps_its_cloc
     for got, want in zip(rest, alone):  # latency changes when, never what
         assert np.array_equal(got.response_ids, want.response_ids)
     assert eng.next_ready_in() == float("inf")
+
+
+def test_a_partial_ending_in_eos_resumes_under_ignore_eos():
+    eos = TOK.eos_token_id
+    req = requests(n=1, max_tokens=8, ignore_eos=True)[0]
+    partial = GenerationRequest(req.request_id, req.prompt_ids, 8, req.sampling, response_ids=[5, eos],
+                                logprobs=[-1.0, -1.0], versions=[0, 0])
+    out = engine().generate([partial])[0]
+    assert out.finish_reason == "length" and len(out.response_ids) == 8
+    stopped = engine().generate([GenerationRequest(**{**partial.__dict__, "sampling": SamplingParams(seed=7)})])[0]
+    assert stopped.finish_reason == "stop" and len(stopped.response_ids) == 2
