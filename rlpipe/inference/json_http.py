@@ -40,9 +40,15 @@ class HTTPError(Exception):
 def serve(routes: Routes, host: str, port: int, name: str) -> ThreadingHTTPServer:
     """A bound (not yet serving) threaded server of ``routes``; run ``serve_forever()`` in a thread."""
     handler = type("_Handler", (_Handler,), {"routes": routes, "name": name})
-    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd = _Server((host, port), handler)
     httpd.daemon_threads = True
     return httpd
+
+
+class _Server(ThreadingHTTPServer):
+    # The stdlib's listen backlog is 5: a client opening dozens of connections at once (every in-flight
+    # request of a rollout step) gets some of them reset. Room for every request a client keeps open.
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -92,14 +92,9 @@ class SGLangParams(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SGLangParams":
-        if self.url is None and self.model_path is None:
-            raise ValueError("set `url` (a running SGLang-protocol server) or `model_path` (a local HF model "
-                             "directory to launch one on)")
         if self.server == "sglang" and self.weight_transport != "disk":
             raise ValueError("real SGLang reads weights from tensors only as pickled CUDA IPC handles; "
                              "use weight_transport: disk with server: sglang")
-        if self.weight_transport == "disk" and self.model_path is None:
-            raise ValueError("weight_transport: disk copies the model's config from `model_path`; set it")
         return self
 
 
@@ -113,6 +108,12 @@ class SGLangEngine(RolloutEngine):
     """Rollout engine client of one SGLang-protocol server (launched here unless ``params.url`` is given)."""
 
     def __init__(self, params: SGLangParams):
+        if params.url is None and params.model_path is None:
+            raise EngineError("SGLang engine: set `url` (a running SGLang-protocol server) or `model_path` (a local "
+                              "HF model directory to launch one on)")
+        if params.weight_transport == "disk" and params.model_path is None:
+            raise EngineError("SGLang engine: weight_transport: disk copies the model's config from `model_path`; "
+                              "set it")
         self.params = params
         self.version = params.version
         self._cond = threading.Condition()
@@ -467,3 +468,20 @@ def _result(r: GenerationRequest, ids, logprobs, versions, reason) -> Generation
 
 
 __all__ = ["SGLangEngine", "SGLangParams"]
+
+
+def build_sglang_engine(inputs) -> SGLangEngine:
+    """A rollout replica's SGLang engine (``generate.impl: sglang``; settings in ``params.server``).
+
+    Unless the settings name a ``url`` or a ``model_path``, the replica's initial policy is saved
+    as a Hugging Face directory in its workdir and the server launched on it; the server's log
+    goes to the workdir too."""
+    from rlpipe.backends.model import save_hf_model
+
+    params: SGLangParams = inputs.params.server
+    updates: dict[str, Any] = {}
+    if params.url is None and params.model_path is None:
+        updates["model_path"] = str(save_hf_model(inputs.model, inputs.tokenizer, Path(inputs.workdir) / "model"))
+    if params.log_dir is None:
+        updates["log_dir"] = inputs.workdir
+    return SGLangEngine(params.model_copy(update=updates))
