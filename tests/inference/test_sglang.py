@@ -221,7 +221,7 @@ def test_ready_at_holds_a_request_in_the_client(served):
 def test_the_rollout_service_drives_the_client_through_a_push(served):
     from conftest import prompt_table
 
-    from rlpipe.engine.rollout_service import RolloutService
+    from rlpipe.engine.state.rollout_service import RolloutService
     from rlpipe.stages.generate import GenerateParams
 
     client, face = served
