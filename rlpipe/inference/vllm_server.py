@@ -204,6 +204,14 @@ class VLLMServer:
                 f"see its log {self.log_path}:\n{self.log_tail()}"
             )
 
+    def _wait_exit(self, seconds: float) -> None:
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                pass
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
@@ -247,6 +255,7 @@ class VLLMServer:
             detail = exc.read().decode(errors="replace")[:2000]
             raise EngineError(f"{self.name}: {method} {path} answered HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            self._wait_exit(2.0)  # a dropped connection is usually a dying server: name that, not the symptom
             self.check_alive()
             raise EngineError(
                 f"{self.name}: {method} {path} failed ({exc}); the vLLM server's log is {self.log_path}"

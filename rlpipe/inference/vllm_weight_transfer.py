@@ -19,7 +19,8 @@ vllm/plugins/__init__.py):
   tensor in place and hands ``(name, tensor)`` pairs to the model's own
   ``load_weights`` (HF names, as from a checkpoint), between vLLM's layerwise-reload
   hooks exactly as the ``ipc`` backend does (vllm/model_executor/model_loader/reload/),
-  so any post-load processing of a layer is redone.
+  so any post-load processing of a layer is redone (plus the CPU GEMM handle of a
+  tied LM head, which vLLM's reload misses: ``_reprocess_embeddings``).
 
 The call returns once the worker has loaded the bucket (the HTTP route awaits the
 engine core's collective RPC), so the trainer side may then delete the file.
@@ -87,6 +88,25 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpda
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._reprocess_embeddings()
+
+    def _reprocess_embeddings(self) -> None:
+        """Redo the CPU GEMM dispatch of every (unquantized) embedding / LM head.
+
+        vLLM's layerwise reload processes a tied parameter for one of its layers only
+        (limitation 2 in vllm/model_executor/model_loader/reload/__init__.py). With tied
+        embeddings the LM head is the other layer: its weight storage receives the new
+        values, but on CPU its matmul runs through a oneDNN handle packed from the old
+        weight at load time (vllm/model_executor/layers/utils.py
+        ``dispatch_cpu_unquantized_gemm``), so logits would keep the old LM head. Embedding
+        processing keeps the weight (``remove_weight=False``), so redoing it is safe.
+        """
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        for module in self.model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod) and not module.weight.is_meta:
+                method.process_weights_after_loading(module)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(); loading on CPU is synchronous.
