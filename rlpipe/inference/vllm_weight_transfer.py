@@ -25,6 +25,10 @@ vllm/plugins/__init__.py):
 The call returns once the worker has loaded the bucket (the HTTP route awaits the
 engine core's collective RPC), so the trainer side may then delete the file.
 
+This module is imported only inside the vLLM server's processes (its venv,
+``.venv-vllm``, holds rlpipe installed without dependencies); rlpipe's own process
+never imports vLLM.
+
 Left out: multi-rank workers (tensor parallel) — one worker reads every bucket —
 and draft-model updates.
 """
