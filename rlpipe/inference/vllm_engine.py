@@ -148,8 +148,7 @@ class VLLMEngine(RolloutEngine):
                 self._cond.wait(min(_STEP_WAIT_S, max(self.next_ready_in(), 0.001)))
                 self._release_ready()
             self._raise_error()
-            if self._inflight:
-                self.server.check_alive()
+            self.server.check_alive()  # a dead server is reported even with nothing in flight
             done, self._done = self._done, []
             return done
 

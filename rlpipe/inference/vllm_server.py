@@ -40,6 +40,12 @@ Server settings, checked against vLLM 0.32's source:
   ``--dtype``, ``--max-model-len``, ``--max-num-seqs``, ``--enable-prefix-caching``;
 - ``--enable-scale-out``: mounts the tokens-in/tokens-out ``/inference/v1/generate``
   (vllm/entrypoints/launchers/cli_args.py, vllm/entrypoints/scale_out/);
+- ``--no-enable-chunked-prefill`` (and ``--max-num-batched-tokens`` >= max_model_len):
+  with chunked prefill, a seeded request whose prompt is split over steps makes
+  vLLM 0.32's model runner rewind its ``torch.Generator`` (``_bookkeeping_sync`` in
+  vllm/v1/worker/gpu_model_runner.py: ``gen.set_offset(...)``), which a CPU
+  generator does not support ("CPU Generator does not use offset"): the engine core
+  dies. rlpipe seeds every request, and resumed requests bring long prompts;
 - ``VLLM_CPU_OMP_THREADS_BIND``: the worker's compute threads and their cores
   (vllm/utils/ompmultiprocessing.py).
 """
@@ -166,6 +172,8 @@ class VLLMServer:
             "--weight-transfer-config", json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
             "--uvicorn-log-level", "warning",
         ]
+        # No chunked prefill (see the module docstring); a whole prompt must then fit one step.
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(p.max_model_len or 0, 2048))]
         if p.max_model_len is not None:
             cmd += ["--max-model-len", str(p.max_model_len)]
         return cmd + list(p.extra_args)
@@ -279,7 +287,8 @@ class VLLMServer:
                 raw = resp.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
-            raise EngineError(f"{self.name}: {method} {path} answered HTTP {exc.code}: {detail}") from None
+            raise EngineError(f"{self.name}: {method} {path} answered HTTP {exc.code}: {detail} "
+                              f"(the vLLM server's log is {self.log_path})") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             self._wait_exit(2.0)  # a dropped connection is usually a dying server: name that, not the symptom
             self.check_alive()
