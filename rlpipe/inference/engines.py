@@ -13,7 +13,6 @@ client module only when built, so planning a pipeline never pays for them.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,13 +48,6 @@ class EngineSpec:
     build: Callable[[EngineInputs], RolloutEngine]
 
 
-def _lazy(module: str, builder: str) -> Callable[[EngineInputs], RolloutEngine]:
-    def build(inputs: EngineInputs) -> RolloutEngine:
-        return getattr(importlib.import_module(module), builder)(inputs)
-
-    return build
-
-
 def _embedded(inputs: EngineInputs) -> RolloutEngine:
     from rlpipe.inference.embedded import EmbeddedEngine
 
@@ -63,8 +55,20 @@ def _embedded(inputs: EngineInputs) -> RolloutEngine:
 
 
 ROLLOUT_ENGINES.add("embedded", EngineSpec(_embedded))
-ROLLOUT_ENGINES.add("vllm", EngineSpec(_lazy("rlpipe.inference.vllm_engine", "build_vllm_engine")))
-ROLLOUT_ENGINES.add("sglang", EngineSpec(_lazy("rlpipe.inference.sglang_engine", "build_sglang_engine")))
+def _vllm(inputs: EngineInputs) -> RolloutEngine:
+    from rlpipe.inference.vllm_engine import build_vllm_engine
+
+    return build_vllm_engine(inputs.model, inputs.tokenizer, inputs.params.server, inputs.rank, inputs.workdir)
+
+
+ROLLOUT_ENGINES.add("vllm", EngineSpec(_vllm))
+def _sglang(inputs: EngineInputs) -> RolloutEngine:
+    from rlpipe.inference.sglang_engine import build_sglang_engine
+
+    return build_sglang_engine(inputs)
+
+
+ROLLOUT_ENGINES.add("sglang", EngineSpec(_sglang))
 
 
 def build_engine(impl: str, inputs: EngineInputs) -> RolloutEngine:

@@ -79,7 +79,7 @@ _PR_SET_PDEATHSIG = 1
 class VLLMParams(BaseModel):
     """Settings of the vLLM server rlpipe starts for a rollout replica."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     startup_timeout_s: float = Field(600.0, gt=0)
     """Seconds to wait for the server's /health after start (a cold start on 2 CPU cores takes 1-3 min)."""

@@ -1,0 +1,119 @@
+"""The engine contract, checked the same way on every engine a rollout replica can run.
+
+Each engine is built exactly as ``RolloutState`` builds it (``build_engine`` with the generate
+stage's params): ``embedded`` in-process, ``sglang`` = rlpipe's embedded engine behind SGLang's
+protocol in a child process, ``vllm`` = a real vLLM server (when the vLLM environment exists;
+``make setup`` makes it). One engine per module run: server cold starts are the slow part.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlpipe.backends.model import build_model
+from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weights import export_buckets
+from rlpipe.inference.contract import EngineError, GenerationRequest, RolloutEngine, SamplingParams
+from rlpipe.inference.engines import EngineInputs, build_engine
+from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
+from rlpipe.stage import stage_registry
+
+TOK = build_tokenizer(TokenizerConfig(chars="0123456789=+abc"))
+# head_dim 64: vLLM's CPU attention rejects smaller heads
+ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=128)
+ENGINES = ["embedded", "sglang", "vllm"]
+
+
+def model(seed: int):
+    return build_model(ModelConfig(architecture=ARCH), TOK, seed)
+
+
+def requests(prefix: str, n: int = 6, max_tokens: int = 12, ignore_eos: bool = False):
+    sampling = SamplingParams(temperature=1.0, seed=3, ignore_eos=ignore_eos)
+    return [GenerationRequest(f"{prefix}/{i}", TOK.encode(f"{i}+{i + 1}="), max_tokens, sampling) for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, tmp_path_factory):
+    impl = request.param
+    if impl == "vllm":
+        from rlpipe.inference.vllm_server import VLLMParams, vllm_python
+
+        try:
+            vllm_python(VLLMParams())
+        except EngineError as exc:  # `make setup` makes vLLM's venv; CI has it
+            pytest.skip(str(exc))
+    params = stage_registry("generate").get(impl).params_model()
+    workdir = str(tmp_path_factory.mktemp(f"engine-{impl}"))
+    eng = build_engine(impl, EngineInputs(model(0), TOK, params, 0, workdir, name=f"test {impl}"))
+    yield eng
+    eng.close()
+
+
+def forward_logprobs(m, prompt: list[int], response: np.ndarray) -> np.ndarray:
+    """log p(response token | prefix) under ``m`` at temperature 1 (the trainer's computation)."""
+    ids = torch.tensor([list(prompt) + response.tolist()])
+    with torch.no_grad():
+        logits = m.eval()(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.from_numpy(response).long()[:, None])[:, 0].numpy()
+
+
+def test_generate_returns_each_request_with_logprobs_and_versions_in_order(engine: RolloutEngine):
+    reqs = requests("gen")
+    results = engine.generate(reqs)
+    assert [r.request_id for r in results] == [r.request_id for r in reqs]
+    for req, res in zip(reqs, results):
+        assert 0 < len(res.response_ids) <= req.max_tokens
+        assert len(res.logprobs) == len(res.versions) == len(res.response_ids)
+        assert (res.versions == engine.version).all() and (res.logprobs <= 0).all()
+        assert res.finish_reason in ("stop", "length")
+    assert not engine.has_active()
+
+
+def test_a_push_mid_generation_aborts_loads_and_resumes_with_both_versions(engine: RolloutEngine):
+    long = 120
+    paces = []  # pace the abort by this engine's speed: a fifth of one whole response (the faster of two)
+    for k in range(2):
+        start = time.monotonic()
+        engine.generate(requests(f"pace{k}", n=1, max_tokens=long, ignore_eos=True))
+        paces.append(time.monotonic() - start)
+    fifth = min(paces) / 5
+    reqs = requests("push", n=4, max_tokens=long, ignore_eos=True)
+    before = engine.version
+    engine.submit(reqs)
+    deadline = time.monotonic() + fifth
+    while time.monotonic() < deadline:  # step() drives an in-process engine; a server runs by itself
+        assert engine.step() == []
+    with pytest.raises(EngineError, match="in flight"):
+        engine.load_weights(export_buckets(model(1)), before + 1)
+    partials = {r.request_id: r for r in engine.abort_all()}
+    assert set(partials) == {r.request_id for r in reqs} and not engine.has_active()
+    assert all(p.finish_reason == "abort" and len(p.response_ids) < long for p in partials.values())
+    assert any(len(p.response_ids) > 0 for p in partials.values()), "no request made a token before the abort"
+
+    new = model(1)
+    timings = engine.load_weights(export_buckets(new), before + 1)
+    assert engine.version == before + 1 and all(isinstance(v, float) and v >= 0 for v in timings.values())
+
+    resumed = engine.generate([partials[r.request_id].resume(r) for r in reqs])
+    for req, res in zip(reqs, resumed):
+        k = len(partials[req.request_id].response_ids)
+        assert len(res.response_ids) == long and res.finish_reason == "length"
+        np.testing.assert_array_equal(res.response_ids[:k], partials[req.request_id].response_ids)
+        assert (res.versions[:k] == before).all() and (res.versions[k:] == before + 1).all()
+        # the new tokens' logprobs are the pushed model's: the weights really arrived
+        np.testing.assert_allclose(res.logprobs[k:], forward_logprobs(new, req.prompt_ids, res.response_ids)[k:],
+                                   atol=1e-4)
+
+
+def test_sleep_wake_and_health(engine: RolloutEngine):
+    engine.sleep()
+    assert engine.asleep
+    engine.wake()
+    assert not engine.asleep
+    assert engine.health()["version"] == engine.version
+    assert len(engine.generate(requests("awake", n=2))) == 2
