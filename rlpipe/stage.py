@@ -53,9 +53,10 @@ Placement = Literal["task", "worker", "driver"]
 
 
 class StageParams(BaseModel):
-    """Base of every stage's params model: unknown keys are errors; field docstrings are descriptions."""
+    """Base of every stage's params model: unknown keys are errors; field docstrings are descriptions;
+    ``inf``/``nan`` are refused in float params."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class NoParams(StageParams):

@@ -13,7 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    """Base of every config model: unknown keys are errors, field docstrings are descriptions, and
+    ``inf``/``nan`` are refused wherever a float is configured (``allow_inf_nan=False``), so a
+    non-finite learning rate never reaches the optimizer."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 class TokenizerConfig(Strict):
@@ -149,6 +153,17 @@ class TrainerConfig(Strict):
     """Where checkpoints and the final model go (a run-named folder below it)."""
     torch_threads: int = Field(1, ge=1)
     """intra-op threads per worker process (keep workers from oversubscribing cores)."""
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    """What a local update with a non-finite loss or gradient norm does: `fail` stops the run at that
+    step, before its weight push (so NaN weights never reach the rollout); `skip` drops that update
+    (no optimizer step), counts it in `actor/skipped_updates` and raises the `actor/nonfinite_alarm`
+    metric. Non-finite *parameters* after an optimizer step always fail the run (it cannot be undone)."""
+    max_zero_grad_updates: int = Field(3, ge=0)
+    """Fail the run after this many consecutive local updates whose gradient norm is exactly 0 while
+    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr); 0 disables."""
+    max_failed_steps: int = Field(3, ge=0)
+    """Fail the run after this many consecutive steps whose every row is an infrastructure failure
+    (status `failed`, e.g. the reward sandbox is down); a single such step is a warning. 0 disables."""
 
 
 class ResourcesConfig(Strict):

@@ -45,7 +45,7 @@ class DatasetError(ConfigError):
 class DatasetParams(BaseModel):
     """Base of every dataset's params model: unknown keys are errors."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

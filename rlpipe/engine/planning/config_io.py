@@ -91,6 +91,8 @@ def _describe(err: dict[str, Any], raw: dict[str, Any]) -> str:
         return f"{loc}: unknown field{_suggest(err['loc'], raw)}"
     if kind == "missing":
         return f"{loc}: required field is missing"
+    if kind == "finite_number":
+        return f"{loc}: must be a finite number, got {err.get('input')!r}; write a finite value (e.g. 1e-4)"
     return f"{loc}: {err['msg']} (got {err.get('input')!r})"
 
 

@@ -128,6 +128,8 @@ def _validate_params(model: type[BaseModel], raw: dict[str, Any], where: str) ->
             if err["type"] == "extra_forbidden":
                 allowed = ", ".join(model.model_fields) or "(none)"
                 lines.append(f"{loc}: unknown param; allowed: {allowed}")
+            elif err["type"] == "finite_number":
+                lines.append(f"{loc}: must be a finite number, got {err.get('input')!r}; write a finite value")
             else:
                 lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
         raise ConfigError("invalid params:\n  " + "\n  ".join(lines)) from None
