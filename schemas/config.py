@@ -147,6 +147,8 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N> (0 = never);
     `rlpipe run PIPELINE --resume that/folder` continues the run, in the same MLflow run."""
+    keep_checkpoints: int = Field(2, ge=0)
+    """Keep only the newest N checkpoint folders (older ones are deleted after a save succeeds); 0 keeps all."""
     save_every: int = Field(0, ge=0)
     """Save the policy as a HF model directory every N steps (0 = only at the end)."""
     output_dir: str = "outputs"

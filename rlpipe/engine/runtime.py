@@ -149,7 +149,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
     """
     plan = build_plan(config)
-    resumed = checkpoint.read_engine_state(resume_from) if resume_from else None
+    resumed = checkpoint.read_engine_state(resume_from, config) if resume_from else None
     observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None

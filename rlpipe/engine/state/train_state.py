@@ -224,14 +224,27 @@ class TrainState:
             "rng": torch.get_rng_state(),
         }
 
-    def save_checkpoint(self, prefix: str) -> str:
-        """Write this rank's state to ``<prefix>_rank<r>.pt``."""
-        path = f"{prefix}_rank{self.rank}.pt"
-        torch.save(self.state_dict(), path)
-        return path
+    def save_checkpoint(self, prefix: str) -> list[str]:
+        """Write this rank's state as ``<prefix>_rank<r>.safetensors`` (tensors) + ``.json`` (the rest); no pickle."""
+        from pathlib import Path
+
+        from rlpipe.engine.state.safe_io import save_state
+
+        target = Path(f"{prefix}_rank{self.rank}")
+        return [str(p) for p in save_state(self.state_dict(), target.parent, target.name)]
 
     def load_checkpoint(self, prefix: str) -> None:
-        self.load_state_dict(torch.load(f"{prefix}_rank{self.rank}.pt", weights_only=False))
+        """Load what :meth:`save_checkpoint` wrote (safetensors and JSON: data only, nothing executed)."""
+        from pathlib import Path
+
+        from rlpipe.engine.state.safe_io import load_state
+
+        target = Path(f"{prefix}_rank{self.rank}")
+        self.load_state_dict(load_state(target.parent, target.name))
+
+    def checkpoint_bytes(self) -> int:
+        """Estimated size of this rank's checkpoint: the model plus AdamW's two moments."""
+        return 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
