@@ -14,7 +14,10 @@ from rlpipe.registry import registry
 
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
               "reinforce_plus_plus_baseline", "remax", "opo", "gpg"]
-LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"]
+LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro",
+          "bypass_mode"]
+# Params a loss requires besides its name.
+LOSS_PARAMS = {"dro": {"dro_beta": 0.1}, "bypass_mode": {"bypass": {"loss_type": "reinforce"}}}
 
 # Stages an estimator needs besides the quickstart's (what writes the columns it reads).
 NEEDS = {
@@ -33,7 +36,7 @@ def _one_step(tmp_path, advantage: str = "grpo", policy_loss: str = "vanilla") -
         if stage["kind"] == "advantage":
             stage = {"kind": "advantage", "impl": advantage}
         if stage["kind"] == "update":
-            stage = {**stage, "params": {"policy_loss": policy_loss}}
+            stage = {**stage, "params": {"policy_loss": policy_loss, **LOSS_PARAMS.get(policy_loss, {})}}
         stages.append(stage)
     raw["stages"] = stages + NEEDS.get(advantage, [])
     rec = Recorder()
