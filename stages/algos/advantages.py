@@ -16,9 +16,15 @@ singleton group has mean 0 and std 1), computed with scatter ops over group ids.
 * ``remax``: greedy-rollout baseline, Li et al. 2023, https://arxiv.org/abs/2310.10505.
 * ``opo``: length-weighted group baseline, https://arxiv.org/abs/2505.23585.
 * ``gpg``: group baseline scaled by batch/non-zero-score rows, https://arxiv.org/abs/2504.02546.
+* ``gdpo``: group reward-decoupled normalization (https://arxiv.org/abs/2601.05242, verl 0.9.1):
+  for each reward component k (scalar columns ``reward_keys``; none = the row's score),
+  ``A_k = (r_k − μ_g(r_k)) / (σ_g(r_k) + ε)`` within the group (GRPO, with
+  ``norm_adv_by_std_in_grpo``), ``A = Σ_k w_k·A_k`` (``reward_weights``, default 1), then
+  whitened over the batch's valid tokens: ``(A − mean_m A)/sqrt(var_m A + 1e-8)``, times the mask.
+* ``optimal_token_baseline`` / ``tir_optimal_token_baseline``: per-token baselines
+  (:mod:`advantages_otb`).
 
-Left out: verl's gdpo, optimal_token_baseline variants and the ``*_vectorized``
-aliases (every estimator here is vectorized). GAE and discounted REINFORCE++ are a
+Left out: verl's ``*_vectorized`` aliases (every estimator here is vectorized). GAE and discounted REINFORCE++ are a
 reverse scan over positions, vectorized over rows (REINFORCE++ with γ = 1 is a cumulative sum).
 """
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
@@ -80,6 +86,23 @@ class GPGParams(EstimatorParams):
     """Divisor of the scaled group-centered score."""
 
 
+class GDPOParams(GroupNormParams):
+    """GDPO's reward components (verl ``algorithm.gdpo_reward_keys`` / ``gdpo_reward_weights``)."""
+
+    reward_keys: list[str] = Field(default_factory=list)
+    """Scalar float32 columns, one per reward component, each normalized within its group; empty = the row's
+    score (the sum of its token rewards) as the only component."""
+    reward_weights: list[float] | None = None
+    """Weight of each component in the sum (same length as reward_keys); None = all 1."""
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "GDPOParams":
+        if self.reward_weights is not None and len(self.reward_weights) != max(len(self.reward_keys), 1):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for "
+                             f"{max(len(self.reward_keys), 1)} reward components; give one weight per reward_keys entry")
+        return self
+
+
 @dataclass(frozen=True)
 class Estimator:
     """A registered estimator: the function, its params model, the extra inputs it needs."""
@@ -87,7 +110,8 @@ class Estimator:
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     params: type[EstimatorParams] = EstimatorParams
     needs: tuple[str, ...] = ()
-    """Extra inputs beyond rewards/mask/group: ``values`` (critic) or ``reward_baselines`` (ReMax)."""
+    """Extra inputs beyond rewards/mask/group: ``values`` (critic), ``reward_baselines`` (ReMax),
+    ``reward_components`` (GDPO), ``old_log_probs``, ``sum_pi_squared``, ``is_weights`` (optimal token baseline)."""
 
     def __call__(self, token_rewards, response_mask, group, params=None, **extra):
         return self.fn(token_rewards, response_mask, group, params or self.params(), **extra)
@@ -207,3 +231,16 @@ def gpg(token_rewards, mask, group, p: GPGParams):
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
     mean, _, _ = group_mean_std(scores, group)
     return _outcome(alpha * (scores - mean) / p.f_norm, mask)
+
+
+@estimator("gdpo", GDPOParams, needs=("reward_components",))
+def gdpo(token_rewards, mask, group, p: GDPOParams, reward_components=None):
+    components = sequence_scores(token_rewards).unsqueeze(-1) if reward_components is None else reward_components
+    weights = p.reward_weights or [1.0] * components.shape[1]
+    total = torch.zeros_like(components[:, 0])
+    for k, weight in enumerate(weights):
+        mean, std, _ = group_mean_std(components[:, k], group)
+        centered = components[:, k] - mean
+        total = total + weight * (centered / (std + p.epsilon) if p.norm_adv_by_std_in_grpo else centered)
+    adv = masked_whiten(total.unsqueeze(-1) * mask, mask) * mask
+    return adv, adv
