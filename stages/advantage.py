@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from rlpipe.errors import RlpipeError
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.schemas.batch import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, RESPONSE_MASK, RETURNS, STATUS, TOKEN_REWARDS
 from rlpipe.schemas.batch import IS_WEIGHTS, SUM_PI_SQUARED, UID, VALUES
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
@@ -138,8 +138,23 @@ def _make_impl(name: str, est: Estimator):
     params = type(f"{name.title().replace('_', '')}AdvantageParams", (est.params, AdvantageStageParams), {
         "__doc__": f"Params of the `{name}` advantage estimator.", "__module__": __name__,
     })  # fmt: skip
-    stage("advantage", name, reads=_reads(est), writes=cols(ADVANTAGES, RETURNS), params=params)(run)
+    check = _needs_groups(name) if est.grouped else None
+    stage("advantage", name, reads=_reads(est), writes=cols(ADVANTAGES, RETURNS), params=params, check=check)(run)
     return run
+
+
+def _needs_groups(name: str):
+    def check(params, config, plan) -> None:
+        generate = plan.node("generate")
+        n = getattr(generate.params, "n", None) if generate else None
+        if isinstance(n, int) and n < 2:
+            raise ConfigError(
+                f"advantage {name!r} compares each sample with the other samples of its prompt, but "
+                f"stages[{generate.name}].params.n is {n}: set it to 2 or more "
+                "(or pick a non-group estimator: gae, reinforce_plus_plus, remax)"
+            )
+
+    return check
 
 
 def _summary(adv, ret, mask, failed) -> dict[str, float]:

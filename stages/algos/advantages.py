@@ -112,14 +112,17 @@ class Estimator:
     needs: tuple[str, ...] = ()
     """Extra inputs beyond rewards/mask/group: ``values`` (critic), ``reward_baselines`` (ReMax),
     ``reward_components`` (GDPO), ``old_log_probs``, ``sum_pi_squared``, ``is_weights`` (optimal token baseline)."""
+    grouped: bool = False
+    """Its baseline comes from the other samples of the same prompt: it needs generate n ≥ 2."""
 
     def __call__(self, token_rewards, response_mask, group, params=None, **extra):
         return self.fn(token_rewards, response_mask, group, params or self.params(), **extra)
 
 
-def estimator(name: str, params: type[EstimatorParams] = EstimatorParams, needs: tuple[str, ...] = ()):
+def estimator(name: str, params: type[EstimatorParams] = EstimatorParams, needs: tuple[str, ...] = (),
+              grouped: bool = False):
     def decorate(fn):
-        est = Estimator(fn, params, needs)
+        est = Estimator(fn, params, needs, grouped)
         ESTIMATORS.add(name, est)
         BUILTIN_ESTIMATORS[name] = est
         return fn
@@ -157,8 +160,8 @@ def gae(token_rewards, mask, group, p: GAEParams, values):
     return masked_whiten(adv, mask), adv + values
 
 
-@estimator("dr_grpo", DrGRPOParams)
-@estimator("grpo", GroupNormParams)
+@estimator("dr_grpo", DrGRPOParams, grouped=True)
+@estimator("grpo", GroupNormParams, grouped=True)
 def grpo(token_rewards, mask, group, p: GroupNormParams):
     scores = sequence_scores(token_rewards)
     mean, std, _ = group_mean_std(scores, group)
@@ -166,7 +169,7 @@ def grpo(token_rewards, mask, group, p: GroupNormParams):
     return _outcome(centered / (std + p.epsilon) if p.norm_adv_by_std_in_grpo else centered, mask)
 
 
-@estimator("grpo_passk", GroupNormParams)
+@estimator("grpo_passk", GroupNormParams, grouped=True)
 def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
     scores = sequence_scores(token_rewards)
     counts = group_count(group)
@@ -186,7 +189,7 @@ def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
     return _outcome(scalars, mask)
 
 
-@estimator("rloo")
+@estimator("rloo", grouped=True)
 def rloo(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     mean, _, n = group_mean_std(scores, group)
@@ -194,7 +197,7 @@ def rloo(token_rewards, mask, group, p):
     return _outcome(torch.where(n > 1, loo, scores), mask)
 
 
-@estimator("opo")
+@estimator("opo", grouped=True)
 def opo(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     lengths = mask.sum(dim=-1).to(scores.dtype)
@@ -210,7 +213,7 @@ def reinforce_plus_plus(token_rewards, mask, group, p: DiscountParams):
     return masked_whiten(returns, mask) * mask, returns
 
 
-@estimator("reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline", grouped=True)
 def reinforce_plus_plus_baseline(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     mean, _, _ = group_mean_std(scores, group)
@@ -225,7 +228,7 @@ def remax(token_rewards, mask, group, p, reward_baselines):
     return returns - reward_baselines.unsqueeze(-1) * mask, returns
 
 
-@estimator("gpg", GPGParams)
+@estimator("gpg", GPGParams, grouped=True)
 def gpg(token_rewards, mask, group, p: GPGParams):
     scores = sequence_scores(token_rewards)
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
@@ -233,7 +236,7 @@ def gpg(token_rewards, mask, group, p: GPGParams):
     return _outcome(alpha * (scores - mean) / p.f_norm, mask)
 
 
-@estimator("gdpo", GDPOParams, needs=("reward_components",))
+@estimator("gdpo", GDPOParams, needs=("reward_components",), grouped=True)
 def gdpo(token_rewards, mask, group, p: GDPOParams, reward_components=None):
     components = sequence_scores(token_rewards).unsqueeze(-1) if reward_components is None else reward_components
     weights = p.reward_weights or [1.0] * components.shape[1]

@@ -74,7 +74,8 @@ def _inputs(token_rewards, mask, old_log_probs, sum_pi_squared, is_weights):
     return returns, (w * mask).cumsum(-1)
 
 
-@estimator("optimal_token_baseline", OTBParams, needs=("old_log_probs", "sum_pi_squared", "is_weights"))
+@estimator("optimal_token_baseline", OTBParams, needs=("old_log_probs", "sum_pi_squared", "is_weights"),
+           grouped=True)
 @torch.no_grad()
 def optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_probs, sum_pi_squared, is_weights=None):
     returns, cumulative = _inputs(token_rewards, mask, old_log_probs, sum_pi_squared, is_weights)
@@ -83,7 +84,8 @@ def optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_pro
     return (returns - base) * mask, returns
 
 
-@estimator("tir_optimal_token_baseline", OTBParams, needs=("old_log_probs", "sum_pi_squared", "is_weights"))
+@estimator("tir_optimal_token_baseline", OTBParams, needs=("old_log_probs", "sum_pi_squared", "is_weights"),
+           grouped=True)
 @torch.no_grad()
 def tir_optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_probs, sum_pi_squared,
                                is_weights=None):
