@@ -100,9 +100,19 @@ def test_a_missing_manifest_means_an_incomplete_checkpoint(copy, tmp_path):
 
 def test_another_pipelines_checkpoint_is_refused_naming_both(copy, tmp_path):
     other = _config(tmp_path, name="other-pipeline", optimizer={"lr": 1e-3})
-    with pytest.raises(CheckpointError, match=r"written by pipeline 'quickstart' \(config hash [0-9a-f]+\), not by "
-                                              r"this one, 'other-pipeline' \(config hash [0-9a-f]+\): resume with"):
+    with pytest.raises(CheckpointError, match=r"written by pipeline 'quickstart' \(identity hash [0-9a-f]+\), not by "
+                                              r"this one, 'other-pipeline' \(identity hash [0-9a-f]+;.*\): resume with"):
         run_pipeline(other, "", observer=Recorder(), inline=True, resume_from=str(copy))
+    raw = quickstart_raw(data={"prompts_per_step": 4}, model={"architecture": {"hidden_size": 32}})
+    raw["tracking"] = {"enabled": False}
+    with pytest.raises(CheckpointError, match=r"written by pipeline 'quickstart' .* not by this one, 'quickstart'"):
+        checkpoint.read_engine_state(copy, validate_config(raw))  # same name, another model
+
+
+def test_a_changed_config_of_the_same_pipeline_resumes_with_a_warning(copy, tmp_path, caplog):
+    fixed = _config(tmp_path, optimizer={"lr": 1e-3})  # e.g. the runbook's "fix, then --resume"
+    assert checkpoint.read_engine_state(copy, fixed)["next_step"] == 1
+    assert any("changed config of pipeline 'quickstart' (changed: trainer" in r.getMessage() for r in caplog.records)
 
 
 def test_a_refused_resume_leaves_the_original_mlflow_run_as_it_was(tmp_path):

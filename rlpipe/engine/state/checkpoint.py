@@ -8,15 +8,17 @@ A checkpoint is taken between two global steps, in ``<output_dir>/checkpoints/st
 * ``engine.json`` (+ ``engine.table<i>.arrow`` for the replay buffer's tables): the driver's
   part — next step, policy version, data position, per-node carry, the MLflow run id, and the
   sampler's state with its in-flight prompts, which it re-issues as pending on resume;
-* ``manifest.json``, written **last** and atomically: the pipeline name and config hash, the
-  next step and, per file, its size and blake2b checksum. Its presence marks a complete
-  checkpoint.
+* ``manifest.json``, written **last** and atomically: the pipeline name, its identity hash
+  (name, model, tokenizer, mode, data source — what makes it *this* pipeline) and config
+  hash (everything it computes), the next step and, per file, its size and blake2b
+  checksum. Its presence marks a complete checkpoint.
 
 No pickle anywhere (see :mod:`rlpipe.engine.state.safe_io`): a crafted file is refused, never
 executed. :func:`read_engine_state` verifies the manifest *before anything starts* — every
-file's size and checksum (a truncated or altered file is named), and the config hash (a
-checkpoint of another pipeline is refused naming both) — so a refused resume touches neither
-Ray nor the original MLflow run. After a save, only the newest ``trainer.keep_checkpoints``
+file's size and checksum (a truncated or altered file is named), and the identity hash (a
+checkpoint of another pipeline is refused naming both); a changed config of the same pipeline
+(the runbook's "fix the stage, then --resume") resumes with a warning naming what changed. A
+refused resume touches neither Ray nor the original MLflow run. After a save, only the newest ``trainer.keep_checkpoints``
 folders are kept; a save first checks the free disk space. Sampling is keyed by
 (seed, step, request id), so a resumed run draws the same tokens as an uninterrupted one
 (tests/engine/test_checkpoint.py). This is rlpipe's stand-in for the durable execution Ray
@@ -48,8 +50,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 # Fields that may differ between the run that wrote a checkpoint and the run that resumes it:
 # where things go and how they are observed, not what is computed.
-_NOT_IDENTITY = {"trainer": ("output_dir", "checkpoint_every", "save_every", "keep_checkpoints", "torch_threads"),
+_NOT_COMPUTED = {"trainer": ("output_dir", "checkpoint_every", "save_every", "keep_checkpoints", "torch_threads"),
                  "resources": ("ray_address", "num_cpus"), "tracking": None}
+# What makes a pipeline the same pipeline: its checkpoint belongs to no other.
+_IDENTITY = ("name", "model", "tokenizer", "mode")
 
 
 class CheckpointError(ConfigError):
@@ -60,16 +64,35 @@ def checkpoint_dir(output_dir: str, next_step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"step_{next_step}"
 
 
-def config_hash(config) -> str:
-    """Hash of what a pipeline computes (its config less output paths, tracking and Ray placement)."""
+def _computed(config) -> dict[str, Any]:
     raw = config.model_dump(mode="json")
-    for section, fields in _NOT_IDENTITY.items():
+    for section, fields in _NOT_COMPUTED.items():
         if fields is None:
             raw.pop(section, None)
         else:
             for name in fields:
                 raw.get(section, {}).pop(name, None)
-    return hashlib.blake2b(json.dumps(raw, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return raw
+
+
+def _hash(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def config_hash(config) -> str:
+    """Hash of what a pipeline computes (its config less output paths, tracking and Ray placement)."""
+    return _hash(_computed(config))
+
+
+def identity_hash(config) -> str:
+    """Hash of what makes a pipeline itself: name, model, tokenizer, mode and data source."""
+    raw = config.model_dump(mode="json")
+    return _hash({**{k: raw[k] for k in _IDENTITY}, "data": [raw["data"]["source"], raw["data"]["params"]]})
+
+
+def _sections(config) -> dict[str, str]:
+    """Per top-level section, its hash (a warning names the sections that changed)."""
+    return {key: _hash(value) for key, value in _computed(config).items()}
 
 
 def save(runtime, next_step: int) -> Path:
@@ -95,7 +118,9 @@ def save(runtime, next_step: int) -> Path:
     manifest = {
         "format": FORMAT,
         "pipeline": runtime.config.name,
+        "identity_hash": identity_hash(runtime.config),
         "config_hash": config_hash(runtime.config),
+        "sections": _sections(runtime.config),
         "next_step": next_step,
         "files": {p.name: {"bytes": p.stat().st_size, "blake2b": blake2b_file(p)} for p in files},
     }
@@ -159,12 +184,8 @@ def read_engine_state(path: str | Path, config=None) -> dict[str, Any]:
                 "Resume from another checkpoint (an earlier step_<N> folder)"
             )
     _check_parses(path, manifest)
-    if config is not None and manifest["config_hash"] != config_hash(config):
-        raise CheckpointError(
-            f"checkpoint {path} was written by pipeline {manifest['pipeline']!r} (config hash "
-            f"{manifest['config_hash']}), not by this one, {config.name!r} (config hash {config_hash(config)}): "
-            "resume with the pipeline YAML (and overrides) that wrote it, or start a new run without --resume"
-        )
+    if config is not None:
+        _check_pipeline(path, manifest, config)
     try:
         state = load_state(path, ENGINE_STEM)
     except Exception as exc:  # verified files that still do not parse: written by something else
@@ -174,6 +195,21 @@ def read_engine_state(path: str | Path, config=None) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {ENGINE_STEM}.json does not match manifest.json; "
                               "resume from another checkpoint")
     return state
+
+
+def _check_pipeline(path: Path, manifest: dict[str, Any], config) -> None:
+    if manifest["identity_hash"] != identity_hash(config):
+        raise CheckpointError(
+            f"checkpoint {path} was written by pipeline {manifest['pipeline']!r} (identity hash "
+            f"{manifest['identity_hash']}), not by this one, {config.name!r} (identity hash {identity_hash(config)}; "
+            "name, model, tokenizer, mode and data source must match): resume with the pipeline YAML that wrote it, "
+            "or start a new run without --resume"
+        )
+    if manifest["config_hash"] != config_hash(config):
+        ours = _sections(config)
+        changed = sorted(k for k in set(ours) | set(manifest["sections"]) if ours.get(k) != manifest["sections"].get(k))
+        log.warning("resuming %s with a changed config of pipeline %r (changed: %s; config hash %s, was %s)",
+                    path, config.name, ", ".join(changed), config_hash(config), manifest["config_hash"])
 
 
 def _check_parses(path: Path, manifest: dict[str, Any]) -> None:
@@ -212,7 +248,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         ok = manifest.get("format") == FORMAT and isinstance(files, dict) and all(
             isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("blake2b"), str)
             for e in files.values()) and all("/" not in n and "\\" not in n and n not in ("", ".", "..") for n in files)
-        ok = ok and isinstance(manifest.get("config_hash"), str) and isinstance(manifest.get("next_step"), int)
+        ok = ok and all(isinstance(manifest.get(k), str) for k in ("config_hash", "identity_hash", "pipeline"))
+        ok = ok and isinstance(manifest.get("sections"), dict) and isinstance(manifest.get("next_step"), int)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         ok = False
     if not ok:
