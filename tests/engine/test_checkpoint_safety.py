@@ -142,3 +142,15 @@ def test_a_save_without_enough_free_disk_fails_before_writing(tmp_path, monkeypa
     with pytest.raises(RlpipeError, match=r"not enough free disk for the checkpoint at .*step_1: about \d+ MiB needed"):
         run_pipeline(_config(tmp_path, checkpoint_every=1), "", observer=Recorder(), inline=True)
     assert not list(tmp_path.glob("*/checkpoints/step_1/*.safetensors"))
+
+
+def test_cli_refuses_a_damaged_checkpoint_in_one_line_with_exit_2(copy, capsys):
+    from conftest import ROOT
+    from rlpipe.cli import main
+
+    (copy / "actor_rank0.json").write_text("{}")
+    code = main(["run", str(ROOT / "pipelines" / "quickstart.yaml"), "-o", "tracking.enabled=false",
+                 "-o", "data.prompts_per_step=4", "--resume", str(copy)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "actor_rank0.json is" in err and "Traceback" not in err
