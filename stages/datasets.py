@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rlpipe.errors import ConfigError
 from rlpipe.registry import registry
@@ -43,9 +43,16 @@ class DatasetError(ConfigError):
 
 
 class DatasetParams(BaseModel):
-    """Base of every dataset's params model: unknown keys are errors."""
+    """Base of every dataset's params model: unknown keys, inf/nan and booleans for numbers are errors."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        from rlpipe.schemas.config import refuse_bool_for_number
+
+        return refuse_bool_for_number(cls, value, info)
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ def validate_params(name: str, params: dict[str, Any] | BaseModel | None) -> Bas
     try:
         return spec.params_model.model_validate(dict(params or {}))
     except ValidationError as exc:
-        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})"
                              for e in exc.errors())
         fields = ", ".join(spec.params_model.model_fields) or "(none)"
         raise ConfigError(f"invalid params for dataset {name!r}: {problems}. Its fields: {fields}") from None
