@@ -96,7 +96,8 @@ def validate_params(name: str, params: dict[str, Any] | BaseModel | None) -> Bas
     try:
         return spec.params_model.model_validate(dict(params or {}))
     except ValidationError as exc:
-        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})"
+        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: "
+                             f"{e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})"
                              for e in exc.errors())
         fields = ", ".join(spec.params_model.model_fields) or "(none)"
         raise ConfigError(f"invalid params for dataset {name!r}: {problems}. Its fields: {fields}") from None
