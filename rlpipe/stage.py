@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Protocol
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import column_type
@@ -53,9 +53,17 @@ Placement = Literal["task", "worker", "driver"]
 
 
 class StageParams(BaseModel):
-    """Base of every stage's params model: unknown keys are errors; field docstrings are descriptions."""
+    """Base of every stage's params model: unknown keys are errors; field docstrings are descriptions;
+    ``inf``/``nan`` are refused in float params."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        from rlpipe.schemas.config import refuse_bool_for_number
+
+        return refuse_bool_for_number(cls, value, info)
 
 
 class NoParams(StageParams):
@@ -134,6 +142,9 @@ class StageSpec:
     placement: Placement = "task"
     role: str | None = None
     creates_rows: bool = False
+    check: Callable[[BaseModel, Any, Any], None] | None = None
+    """Validate-time check of this node against the pipeline: ``check(params, config, plan)`` raises a
+    ConfigError naming the field and the fix (e.g. a group estimator needs generate n ≥ 2)."""
 
     def read_columns(self, params: BaseModel) -> dict[str, pa.DataType]:
         return dict(self.reads(params) if callable(self.reads) else self.reads)
@@ -172,6 +183,7 @@ def stage(
     placement: Placement = "task",
     role: str | None = None,
     creates_rows: bool = False,
+    check: Callable[[BaseModel, Any, Any], None] | None = None,
 ) -> Callable[[Callable[..., StageResult]], Callable[..., StageResult]]:
     """Register a stage implementation.
 
@@ -183,7 +195,7 @@ def stage(
         raise ValueError(f"worker stage {kind}/{impl} needs a role")
 
     def decorate(fn: Callable[..., StageResult]) -> Callable[..., StageResult]:
-        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows)
+        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows, check)
         stage_registry(kind).add(impl, spec)
         return fn
 

@@ -29,6 +29,7 @@ values               list<float32>       R_i          critic values
 advantages           list<float32>       R_i          per-token advantages
 returns              list<float32>       R_i          per-token returns (critic targets)
 is_weights           list<float32>       R_i          rollout-correction importance weights (detached)
+sum_pi_squared       list<float32>       R_i          Σ_v π_old(v)² at each response position (optimal token baseline)
 dp_rank              int32               scalar       data-parallel rank the row is trained on
 ===================  ==================  ===========  ===============================================
 
@@ -60,6 +61,7 @@ VALUES = "values"
 ADVANTAGES = "advantages"
 RETURNS = "returns"
 IS_WEIGHTS = "is_weights"
+SUM_PI_SQUARED = "sum_pi_squared"
 DP_RANK = "dp_rank"
 
 # Row statuses.
@@ -89,6 +91,7 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     ADVANTAGES: pa.list_(pa.float32()),
     RETURNS: pa.list_(pa.float32()),
     IS_WEIGHTS: pa.list_(pa.float32()),
+    SUM_PI_SQUARED: pa.list_(pa.float32()),
     DP_RANK: pa.int32(),
 }
 

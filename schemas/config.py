@@ -9,11 +9,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def refuse_bool_for_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """YAML's ``true`` is not a number: a bool given for an int/float field (``total_steps: true``,
+    which pydantic would read as 1) is an error naming the field."""
+    if isinstance(value, bool) and info.field_name:
+        annotation = model.model_fields[info.field_name].annotation
+        kinds = {annotation, *getattr(annotation, "__args__", ())}
+        if bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()}; write a number")
+    return value
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    """Base of every config model: unknown keys are errors, field docstrings are descriptions,
+    ``inf``/``nan`` are refused wherever a float is configured (``allow_inf_nan=False``), so a
+    non-finite learning rate never reaches the optimizer, and booleans are refused for numbers."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_for_number(cls, value, info)
 
 
 class TokenizerConfig(Strict):
@@ -143,12 +163,25 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N> (0 = never);
     `rlpipe run PIPELINE --resume that/folder` continues the run, in the same MLflow run."""
+    keep_checkpoints: int = Field(2, ge=0)
+    """Keep only the newest N checkpoint folders (older ones are deleted after a save succeeds); 0 keeps all."""
     save_every: int = Field(0, ge=0)
     """Save the policy as a HF model directory every N steps (0 = only at the end)."""
     output_dir: str = "outputs"
     """Where checkpoints and the final model go (a run-named folder below it)."""
     torch_threads: int = Field(1, ge=1)
     """intra-op threads per worker process (keep workers from oversubscribing cores)."""
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    """What a local update with a non-finite loss or gradient norm does: `fail` stops the run at that
+    step, before its weight push (so NaN weights never reach the rollout); `skip` drops that update
+    (no optimizer step), counts it in `actor/skipped_updates` and raises the `actor/nonfinite_alarm`
+    metric. Non-finite *parameters* after an optimizer step always fail the run (it cannot be undone)."""
+    max_zero_grad_updates: int = Field(3, ge=0)
+    """Fail the run after this many consecutive local updates whose gradient norm is exactly 0 while
+    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr); 0 disables."""
+    max_failed_steps: int = Field(3, ge=0)
+    """Fail the run after this many consecutive steps whose every row is an infrastructure failure
+    (status `failed`, e.g. the reward sandbox is down); a single such step is a warning. 0 disables."""
 
 
 class ResourcesConfig(Strict):
@@ -197,10 +230,10 @@ class StageConfig(Strict):
 class PipelineConfig(Strict):
     """A whole pipeline: the YAML's top level."""
 
-    name: str = "rlpipe"
-    """Run name (MLflow run name and output folder)."""
-    seed: int = 0
-    """Seed of everything random: data order, sampling, initialization."""
+    name: str = Field("rlpipe", min_length=1, max_length=100)
+    """Run name (MLflow run name and output folder, so at most 100 characters and no path separators)."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed of everything random: data order, sampling, initialization (0 ≤ seed < 2³²)."""
     mode: str = "sync"
     """Trainer mode: a registered mode name (sync, colocate_async, separate_async)."""
     mode_params: dict[str, Any] = Field(default_factory=dict)
@@ -219,6 +252,15 @@ class PipelineConfig(Strict):
     """MLflow and lineage."""
     stages: list[StageConfig]
     """The nodes of the step DAG; order does not matter, the column contracts wire them."""
+
+    @field_validator("name")
+    @classmethod
+    def _folder_name(cls, name: str) -> str:
+        bad = sorted({c for c in name if c in '/\\\0' or not c.isprintable()})
+        if bad or name in (".", ".."):
+            raise ValueError(f"the name becomes a folder name; {name!r} has {bad or 'a reserved name'}: use letters, "
+                             "digits, '-', '_' or '.'")
+        return name
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> "PipelineConfig":

@@ -2,9 +2,12 @@
 
 Each estimator of :mod:`rlpipe.stages.algos.advantages` (gae, grpo, dr_grpo,
 grpo_passk, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo,
-gpg) becomes the impl of the same name. The stage reads ``token_rewards``,
-``response_mask`` and ``uid`` (plus ``values`` for gae, ``reward_baseline`` for
-remax) and writes ``advantages`` and ``returns``.
+gpg, gdpo) and :mod:`rlpipe.stages.algos.advantages_otb` (optimal_token_baseline,
+tir_optimal_token_baseline) becomes the impl of the same name. The stage reads
+``token_rewards``, ``response_mask`` and ``uid`` (plus ``values`` for gae,
+``reward_baseline`` for remax, the ``reward_keys`` columns for gdpo, ``old_logprobs`` and
+``sum_pi_squared`` — and ``is_weights`` with ``use_is_weights`` — for the optimal token
+baselines) and writes ``advantages`` and ``returns``.
 
 Infra-failure rows (``status == "failed"``) are left out of every group
 statistic and get zero advantages (``exclude_failed``); their ``token_rewards``
@@ -24,10 +27,11 @@ import pyarrow as pa
 import torch
 from pydantic import Field, field_validator
 
-from rlpipe.errors import RlpipeError
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.schemas.batch import ADVANTAGES, OLD_LOGPROBS, REF_LOGPROBS, RESPONSE_MASK, RETURNS, STATUS, TOKEN_REWARDS
-from rlpipe.schemas.batch import UID, VALUES
+from rlpipe.schemas.batch import IS_WEIGHTS, SUM_PI_SQUARED, UID, VALUES
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stages.algos import advantages_otb  # noqa: F401  (registers the optimal token baselines)
 from rlpipe.stages.algos import batch_io as io
 from rlpipe.stages.algos.advantages import BUILTIN_ESTIMATORS, Estimator
 from rlpipe.stages.algos.critic_loss import explained_variance
@@ -36,7 +40,23 @@ from rlpipe.stages.algos.ops import group_ids, masked_mean
 
 REWARD_BASELINE = "reward_baseline"
 """ReMax: score of the greedy response of the row's prompt (float32 scalar column)."""
-_EXTRA_COLUMNS = {"values": cols(VALUES), "reward_baselines": {REWARD_BASELINE: pa.float32()}}
+_EXTRA_COLUMNS = {  # an estimator's extra input → the columns it reads (given the params)
+    "values": lambda p: cols(VALUES),
+    "reward_baselines": lambda p: {REWARD_BASELINE: pa.float32()},
+    "reward_components": lambda p: {key: pa.float32() for key in p.reward_keys},
+    "old_log_probs": lambda p: cols(OLD_LOGPROBS),
+    "sum_pi_squared": lambda p: cols(SUM_PI_SQUARED),
+    "is_weights": lambda p: cols(IS_WEIGHTS) if p.use_is_weights else {},
+}
+_EXTRA_INPUTS = {  # an estimator's extra input → its tensor (None: not given)
+    "values": lambda batch, p, width: io.padded(batch, VALUES, width),
+    "reward_baselines": lambda batch, p, width: io.scalar(batch, REWARD_BASELINE),
+    "reward_components": lambda batch, p, width: (
+        torch.stack([io.scalar(batch, key) for key in p.reward_keys], dim=-1) if p.reward_keys else None),
+    "old_log_probs": lambda batch, p, width: io.padded(batch, OLD_LOGPROBS, width),
+    "sum_pi_squared": lambda batch, p, width: io.padded(batch, SUM_PI_SQUARED, width),
+    "is_weights": lambda batch, p, width: io.padded(batch, IS_WEIGHTS, width) if p.use_is_weights else None,
+}
 
 
 class AdvantageStageParams(StageParams):
@@ -68,7 +88,7 @@ def _reads(est: Estimator):
     def reads(p: AdvantageStageParams) -> dict[str, pa.DataType]:
         out = cols(TOKEN_REWARDS, RESPONSE_MASK, UID)
         for need in est.needs:
-            out.update(_EXTRA_COLUMNS[need])
+            out.update(_EXTRA_COLUMNS[need](p))
         if p.exclude_failed:
             out.update(cols(STATUS))
         if p.use_kl_in_reward:
@@ -78,13 +98,9 @@ def _reads(est: Estimator):
     return reads
 
 
-def _extra_inputs(est: Estimator, batch: pa.Table, width: int) -> dict[str, torch.Tensor]:
-    extra = {}
-    if "values" in est.needs:
-        extra["values"] = io.padded(batch, VALUES, width)
-    if "reward_baselines" in est.needs:
-        extra["reward_baselines"] = io.scalar(batch, REWARD_BASELINE)
-    return extra
+def _extra_inputs(est: Estimator, batch: pa.Table, params, width: int) -> dict[str, torch.Tensor]:
+    given = {need: _EXTRA_INPUTS[need](batch, params, width) for need in est.needs}
+    return {need: tensor for need, tensor in given.items() if tensor is not None}
 
 
 def _penalize(batch, p, ctx, rewards, mask) -> tuple[torch.Tensor, dict[str, float]]:
@@ -106,7 +122,7 @@ def _make_impl(name: str, est: Estimator):
             rewards, metrics = _penalize(batch, params, ctx, rewards, mask)
         failed = io.failed_rows(batch) if params.exclude_failed else np.zeros(batch.num_rows, bool)
         rows = torch.from_numpy(np.flatnonzero(~failed))
-        extra = {k: v[rows] for k, v in _extra_inputs(est, batch, mask.shape[1]).items()}
+        extra = {k: v[rows] for k, v in _extra_inputs(est, batch, params, mask.shape[1]).items()}
         group = group_ids(io.uids(batch)[~failed])
         adv, ret = torch.zeros_like(mask), torch.zeros_like(mask)
         if rows.numel():
@@ -122,8 +138,23 @@ def _make_impl(name: str, est: Estimator):
     params = type(f"{name.title().replace('_', '')}AdvantageParams", (est.params, AdvantageStageParams), {
         "__doc__": f"Params of the `{name}` advantage estimator.", "__module__": __name__,
     })  # fmt: skip
-    stage("advantage", name, reads=_reads(est), writes=cols(ADVANTAGES, RETURNS), params=params)(run)
+    check = _needs_groups(name) if est.grouped else None
+    stage("advantage", name, reads=_reads(est), writes=cols(ADVANTAGES, RETURNS), params=params, check=check)(run)
     return run
+
+
+def _needs_groups(name: str):
+    def check(params, config, plan) -> None:
+        generate = plan.node("generate")
+        n = getattr(generate.params, "n", None) if generate else None
+        if isinstance(n, int) and n < 2:
+            raise ConfigError(
+                f"advantage {name!r} compares each sample with the other samples of its prompt, but "
+                f"stages[{generate.name}].params.n is {n}: set it to 2 or more "
+                "(or pick a non-group estimator: gae, reinforce_plus_plus, remax)"
+            )
+
+    return check
 
 
 def _summary(adv, ret, mask, failed) -> dict[str, float]:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rlpipe.errors import ConfigError
 from rlpipe.registry import registry
@@ -43,9 +43,16 @@ class DatasetError(ConfigError):
 
 
 class DatasetParams(BaseModel):
-    """Base of every dataset's params model: unknown keys are errors."""
+    """Base of every dataset's params model: unknown keys, inf/nan and booleans for numbers are errors."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        from rlpipe.schemas.config import refuse_bool_for_number
+
+        return refuse_bool_for_number(cls, value, info)
 
 
 @dataclass(frozen=True)
@@ -55,16 +62,25 @@ class DatasetSpec:
     name: str
     fn: Callable[[Any, int], pa.Table]
     params_model: type[BaseModel]
+    preview: Callable[[Any], None] | None = None
+    """Validate-time check (no full load): files exist, the first rows parse and have the fields."""
 
 
-def dataset(name: str, params: type[BaseModel]) -> Callable:
+def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], None] | None = None) -> Callable:
     """Decorator registering ``fn(params, seed) -> pa.Table`` as dataset ``name``."""
 
     def decorate(fn: Callable[[Any, int], pa.Table]) -> Callable[[Any, int], pa.Table]:
-        DATASETS.add(name, DatasetSpec(name, fn, params))
+        DATASETS.add(name, DatasetSpec(name, fn, params, preview))
         return fn
 
     return decorate
+
+
+def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None) -> None:
+    """The dataset's validate-time check, if it has one (file datasets do)."""
+    spec = dataset_spec(name)
+    if spec.preview is not None:
+        spec.preview(validate_params(name, params))
 
 
 def dataset_spec(name: str) -> DatasetSpec:
@@ -80,7 +96,8 @@ def validate_params(name: str, params: dict[str, Any] | BaseModel | None) -> Bas
     try:
         return spec.params_model.model_validate(dict(params or {}))
     except ValidationError as exc:
-        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e.get('input')!r})"
+        problems = "; ".join(f"data.params.{'.'.join(map(str, e['loc']))}: "
+                             f"{e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})"
                              for e in exc.errors())
         fields = ", ".join(spec.params_model.model_fields) or "(none)"
         raise ConfigError(f"invalid params for dataset {name!r}: {problems}. Its fields: {fields}") from None
@@ -210,29 +227,58 @@ def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
     return _table(prompts, _text(table, params.answer_key), sources)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
-        if not isinstance(row, dict):
-            raise DatasetError(f"{path}:{number}: not a JSON object; one object per line")
-        rows.extend([row] if row else [])
+def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    rows, number = [], 0
+    with path.open(encoding="utf-8") as lines:
+        while limit is None or len(rows) < limit:
+            number += 1
+            try:
+                line = lines.readline()
+            except UnicodeDecodeError:  # decoded in chunks: the bad byte is at or after this line
+                raise DatasetError(f"{path}: not UTF-8 text (near line {number}); convert the file to UTF-8") from None
+            if not line:
+                break
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{number}: not a JSON object; one object per line")
+            rows.extend([row] if row else [])
     return rows
 
 
-@dataset("jsonl", FileParams)
-def jsonl(params: FileParams, seed: int) -> pa.Table:
-    paths = _paths(params)
-    rows = [row for path in paths for row in _read_jsonl(path)]
+def _records(rows: list[dict]) -> pa.Table:
     keys = dict.fromkeys(key for row in rows for key in row)
-    table = pa.table({key: pa.array([_as_text(row.get(key)) for row in rows], pa.string()) for key in keys})
-    return _from_records(table, params, str(params.path))
+    return pa.table({key: pa.array([_as_text(row.get(key)) for row in rows], pa.string()) for key in keys})
 
 
-@dataset("parquet", FileParams)
+PREVIEW_ROWS = 5
+"""Rows of each file a validate-time preview parses."""
+
+
+def _preview_jsonl(params: FileParams) -> None:
+    for path in _paths(params):
+        _from_records(_records(_read_jsonl(path, PREVIEW_ROWS)), params, str(path))
+
+
+def _preview_parquet(params: FileParams) -> None:
+    for path in _paths(params):
+        try:
+            first = next(pq.ParquetFile(path).iter_batches(batch_size=PREVIEW_ROWS), None)
+            table = pa.Table.from_batches([first]) if first is not None else pq.read_schema(path).empty_table()
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"{path}: not a readable Parquet file ({exc}); fix data.params.path") from None
+        _from_records(table, params, str(path))
+
+
+@dataset("jsonl", FileParams, preview=_preview_jsonl)
+def jsonl(params: FileParams, seed: int) -> pa.Table:
+    rows = [row for path in _paths(params) for row in _read_jsonl(path)]
+    return _from_records(_records(rows), params, str(params.path))
+
+
+@dataset("parquet", FileParams, preview=_preview_parquet)
 def parquet(params: FileParams, seed: int) -> pa.Table:
     tables = [pq.read_table(path) for path in _paths(params)]
     return _from_records(pa.concat_tables(tables, promote_options="permissive"), params, str(params.path))

@@ -5,7 +5,10 @@ training engine, forward only (verl's ``compute_log_prob``), so the PPO ratio's
 denominator is the trainer's own numerics. ``old_log_prob/bypass`` takes the
 rollout engine's logprobs instead — valid only when rollout and trainer run the
 same model precision. ``ref/reference`` scores with the frozen reference model
-for the KL term. Sampling temperature comes from the generate node (one source
+for the KL term. With ``sum_pi_squared: true`` the trainer impl also writes
+``sum_pi_squared`` = Σ_v π_old(v)² per response token (the softmax of the temperature-scaled
+logits, squared and summed over the vocabulary; verl's ``calculate_sum_pi_squared``), which the
+``optimal_token_baseline`` estimators read. Sampling temperature comes from the generate node (one source
 of truth), handed over in ``ctx.extras["temperature"]``.
 """
 
@@ -17,7 +20,9 @@ import torch
 from pydantic import Field
 
 from rlpipe.jagged import SequenceInputs, entropy_from_logits, from_padded
-from rlpipe.schemas.batch import OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS
+from rlpipe.schemas.batch import (
+    OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, SUM_PI_SQUARED,
+)
 from rlpipe.stage import StageParams, StageResult, cols, stage
 from rlpipe.stages.algos.batch_io import require_rollout_logprobs
 
@@ -29,19 +34,29 @@ class LogProbParams(StageParams):
     """Rows per forward pass; None = the trainer's micro_batch_size."""
 
 
+class OldLogProbParams(LogProbParams):
+    """Forward-only scoring with the trainer's weights (π_old)."""
+
+    sum_pi_squared: bool = False
+    """Also write `sum_pi_squared` (Σ_v π(v)² per response token), needed by the optimal_token_baseline estimators."""
+
+
 def model_logprobs(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, temperature: float,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, SequenceInputs]:
-    """``[B, R]`` response-token logprobs (and entropies) of ``batch`` under ``model``."""
+                   with_entropy: bool = False, with_sum_pi_squared: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, SequenceInputs]:
+    """``[B, R]`` response-token logprobs of ``batch`` under ``model``, and their entropies (``with_entropy``)
+    or Σ_v π(v)² (``with_sum_pi_squared``) in the second slot."""
     seq = SequenceInputs(batch.column(PROMPT_IDS), batch.column(RESPONSE_IDS), pad_token_id)
     seq.to(next(model.parameters()).device)
     logits = model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids).logits
     logp = seq.response_logprobs(logits, temperature)
-    entropy = None
-    if with_entropy:
+    second = None
+    if with_entropy or with_sum_pi_squared:
         start = seq.prompt_width - 1
         scaled = logits[:, start : start + seq.response_width] / temperature
-        entropy = entropy_from_logits(scaled) * seq.response_padding
-    return logp, entropy, seq
+        per_token = entropy_from_logits(scaled) if with_entropy else torch.softmax(scaled.float(), -1).square().sum(-1)
+        second = per_token * seq.response_padding
+    return logp, second, seq
 
 
 def micro_batches(num_rows: int, size: int) -> list[np.ndarray]:
@@ -51,29 +66,42 @@ def micro_batches(num_rows: int, size: int) -> list[np.ndarray]:
 
 @torch.no_grad()
 def score_batch(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, temperature: float,
-                micro_batch_size: int) -> pa.ListArray:
-    """Logprobs of every response token of ``batch`` as a jagged float32 column."""
+                micro_batch_size: int, with_sum_pi_squared: bool = False):
+    """Logprobs of every response token of ``batch`` as a jagged float32 column
+    (with ``with_sum_pi_squared``: a pair, logprobs and Σ_v π(v)²)."""
     was_training = model.training
     model.eval()
-    chunks = []
+    chunks, squares = [], []
     for rows in micro_batches(batch.num_rows, micro_batch_size):
         sub = batch.take(pa.array(rows))
-        logp, _, seq = model_logprobs(model, sub, pad_token_id, temperature)
+        logp, sq, seq = model_logprobs(model, sub, pad_token_id, temperature, with_sum_pi_squared=with_sum_pi_squared)
         chunks.append(from_padded(logp, seq.response_lengths, pa.float32()))
+        if with_sum_pi_squared:
+            squares.append(from_padded(sq, seq.response_lengths, pa.float32()))
     model.train(was_training)
-    return pa.concat_arrays(chunks) if chunks else pa.array([], type=pa.list_(pa.float32()))
+    empty = pa.array([], type=pa.list_(pa.float32()))
+    logps = pa.concat_arrays(chunks) if chunks else empty
+    return (logps, pa.concat_arrays(squares) if squares else empty) if with_sum_pi_squared else logps
 
 
-@stage("old_log_prob", "trainer", placement="worker", role="actor", params=LogProbParams,
-       reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=cols(OLD_LOGPROBS))
-def recompute_old_logprobs(state, batch: pa.Table, params: LogProbParams, ctx) -> StageResult:
-    return StageResult(columns={OLD_LOGPROBS: _score_on(state, batch, params, ctx)})
+def _old_writes(params: OldLogProbParams) -> dict[str, pa.DataType]:
+    return cols(OLD_LOGPROBS, *([SUM_PI_SQUARED] if params.sum_pi_squared else []))
 
 
-def _score_on(state, batch: pa.Table, params: LogProbParams, ctx) -> pa.ListArray:
+@stage("old_log_prob", "trainer", placement="worker", role="actor", params=OldLogProbParams,
+       reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=_old_writes)
+def recompute_old_logprobs(state, batch: pa.Table, params: OldLogProbParams, ctx) -> StageResult:
+    if not params.sum_pi_squared:
+        return StageResult(columns={OLD_LOGPROBS: _score_on(state, batch, params, ctx)})
+    logps, squares = _score_on(state, batch, params, ctx, with_sum_pi_squared=True)
+    return StageResult(columns={OLD_LOGPROBS: logps, SUM_PI_SQUARED: squares})
+
+
+def _score_on(state, batch: pa.Table, params: LogProbParams, ctx, with_sum_pi_squared: bool = False):
     """``score_batch`` with the worker's model, the params' (or trainer's) micro-batch, the run's temperature."""
     micro = params.micro_batch_size or state.config.trainer.micro_batch_size
-    return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro)
+    return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro,
+                       with_sum_pi_squared)
 
 
 @stage("old_log_prob", "bypass", reads=cols(ROLLOUT_LOGPROBS), writes=cols(OLD_LOGPROBS))

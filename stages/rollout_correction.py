@@ -16,8 +16,8 @@ Bypass mode (π_old := π_rollout, verl's ``bypass_mode``) is the ``old_log_prob
 impl ``bypass``; it validates its input with
 :func:`rlpipe.stages.algos.batch_io.require_rollout_logprobs`. Under bypass the
 PPO ratio already is π/π_rollout, so this stage is not needed (verl applies no IS
-weights to its ppo_clip bypass loss either). Left out: verl's in-loss RS/IS of the
-bypass policy loss and its ``reinforce`` loss_type.
+weights to its ppo_clip bypass loss either). verl's in-loss IS/RS and its ``reinforce``
+loss type are the ``bypass_mode`` policy loss (:mod:`rlpipe.stages.algos.pg_losses_bypass`).
 """
 
 from __future__ import annotations

@@ -66,14 +66,19 @@ def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageRes
     for key in SUMMED_METRICS & metrics.keys():  # each rank holds its share of the global loss
         metrics[key] *= state.world_size
     metrics["actor/local_updates"] = float(state.local_updates)
+    metrics.pop("actor/skipped", None)
+    metrics["actor/nonfinite_alarm"] = float(sum(history.get("skipped", [0.0])) > 0)
+    metrics["actor/skipped_updates"] = float(state.skipped_updates)
     return StageResult(metrics=metrics)
 
 
 def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: float, micro_size: int) -> dict:
     """Forward/backward every micro-batch of ``mini`` under global denominators, then one optimizer step."""
     masks = to_padded(mini.column(RESPONSE_MASK), 0, torch.float32)
-    local = torch.tensor([masks.sum().item(), (masks.sum(1) > 0).sum().item()], dtype=torch.float64)
-    global_tokens, global_seqs = state.all_reduce_sum(local).tolist()
+    signal = (to_padded(mini.column(ADVANTAGES), 0, torch.float32, masks.shape[1]) * masks).abs().sum().item()
+    local = torch.tensor([masks.sum().item(), (masks.sum(1) > 0).sum().item(), signal], dtype=torch.float64)
+    global_tokens, global_seqs, global_signal = state.all_reduce_sum(local).tolist()
+    loss_finite = True
     denominators = LossDenominators(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=state.world_size)
     sums: dict[str, float] = {}
     for rows in micro_batches(mini.num_rows, micro_size):
@@ -90,11 +95,12 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
             entropy=entropy,
             rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width, dev),
         )
+        loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
         loss.backward()
         share = len(rows) / mini.num_rows
         for key, value in metrics.items():
             # loss terms are this micro-batch's share of the mini-batch loss: sum them; the rest are means
             weight = 1.0 if key in SUMMED_METRICS else share
             sums[key] = sums.get(key, 0.0) + weight * float(value)
-    sums.update(state.optimizer_step())
+    sums.update(state.optimizer_step(loss_finite=loss_finite, expect_grad=global_signal > 0))
     return sums

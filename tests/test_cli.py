@@ -17,8 +17,9 @@ from rlpipe.stage import STEP_KINDS
 ROOT = Path(__file__).resolve().parents[1]
 
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-              "remax", "opo", "gpg"]
-POLICY_LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"]
+              "remax", "opo", "gpg", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"]
+POLICY_LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl",
+                 "dro", "bypass_mode"]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_PENALTIES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 

@@ -24,11 +24,27 @@ CASES = {
     "two_writers.yaml": (PlanError, r"two writers of column 'old_logprobs'.*old_log_prob and old_log_prob_again"),
     "bad_mode.yaml": (RlpipeError, r"unknown mode 'synchronous'; known: .*sync"),
     "bad_batch_arithmetic.yaml": (ConfigError, r"prompts_per_step=16 is not a multiple of trainer\.ppo_mini_batch_size=5"),
+    # issue 14 part 4: what validate checks without starting Ray
+    "readonly_output_dir.yaml": (ConfigError, r"trainer\.output_dir '/proc/self/rlpipe-outputs' is not writable .*"
+                                              r"point trainer\.output_dir at a writable folder"),
+    "long_name.yaml": (ConfigError, r"name: String should have at most 100 characters \(got 'xxx.*\.\.\. \(300 long\)\)"),
+    "negative_seed.yaml": (ConfigError, r"seed: Input should be greater than or equal to 0 \(got -1\)"),
+    "bool_total_steps.yaml": (ConfigError, r"trainer\.total_steps: expected a number, got the boolean true; write a number"),
+    "missing_dataset_file.yaml": (ConfigError, r"dataset file 'tests/fixtures/data/does_not_exist\.jsonl' does not exist"
+                                               r".*fix data\.params\.path"),
+    "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl has no field 'prompt'; fields: "
+                                                     r"\['question', 'ground_truth', 'data_source'\]"),
+    "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl: not UTF-8 text \(near line 1\); convert the file to UTF-8"),
+    "too_long_for_positions.yaml": (ConfigError, r"data\.max_prompt_length \(64\) \+ stages\[generate\]\.params\.max_tokens "
+                                                 r"\(8\) = 72 exceeds the model's 32 positions"),
+    "grpo_with_one_sample.yaml": (ConfigError, r"advantage 'grpo' compares each sample with the other samples of its "
+                                               r"prompt, but stages\[generate\]\.params\.n is 1: set it to 2 or more"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_broken_fixture_fails_with_its_message(name):
+def test_broken_fixture_fails_with_its_message(name, monkeypatch):
+    monkeypatch.chdir(FIXTURES.parents[1])  # dataset paths in fixtures are relative to the repository root
     error, pattern = CASES[name]
     with pytest.raises(error, match=pattern):
         config, _ = load_pipeline(FIXTURES / name)

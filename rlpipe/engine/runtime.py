@@ -27,7 +27,8 @@ from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import REWARD
+from rlpipe.errors import RlpipeError
+from rlpipe.schemas.batch import REWARD, STATUS, STATUS_FAILED
 from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Runtime:
         self.workers = backend.workers
         self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
         self.last_metrics: dict[str, float] = {}
+        self.failed_steps: list[int] = []
+        """The current run of consecutive steps whose every row failed (trainer.max_failed_steps)."""
         self._initial_sync()
 
     def _initial_sync(self) -> None:
@@ -74,20 +77,47 @@ class Runtime:
 
     def end_step(self, step: int, table: pa.Table, metrics: dict[str, float]) -> None:
         """Headline metrics, sampled trajectories, periodic model saves."""
-        headline = dict(metrics)
-        if REWARD in table.column_names and table.num_rows:
-            headline["reward/mean"] = float(np.mean(table.column(REWARD).to_numpy()))
+        headline = {**metrics, **self._reward_headline(step, table)}
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
         sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
         self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
         self.last_metrics = headline
+        self._check_failed_steps(step)
         if self._due(self.config.trainer.save_every, step):
             self.save_model(f"step_{step + 1}")
         if self._due(self.config.trainer.checkpoint_every, step):
             checkpoint.save(self, step + 1)
         if self.on_step:
             self.on_step(step, headline)
+
+    def _reward_headline(self, step: int, table: pa.Table) -> dict[str, float]:
+        """``reward/mean`` over the valid rows only and ``reward/failed_rows`` (status ``failed``: an
+        infrastructure failure, not a wrong answer); a step whose every row failed is a warning and
+        ``trainer.max_failed_steps`` of them in a row fail the run."""
+        if not table.num_rows or REWARD not in table.column_names:
+            return {}
+        failed = np.zeros(table.num_rows, dtype=bool)
+        if STATUS in table.column_names:
+            failed = np.asarray(table.column(STATUS).to_pylist(), dtype=object) == STATUS_FAILED
+        out = {"reward/failed_rows": float(failed.sum())}
+        if not failed.all():
+            out["reward/mean"] = float(np.mean(table.column(REWARD).to_numpy()[~failed]))
+            self.failed_steps = []
+            return out
+        self.failed_steps.append(step)
+        log.warning("step %d: all %d rows failed (infrastructure failures); nothing was learned from this step",
+                    step, table.num_rows)
+        return out
+
+    def _check_failed_steps(self, step: int) -> None:
+        limit = self.config.trainer.max_failed_steps
+        if limit and len(self.failed_steps) >= limit:
+            raise RlpipeError(
+                f"steps {self.failed_steps[0]}-{step}: every row of {len(self.failed_steps)} consecutive steps is an "
+                "infrastructure failure (status 'failed', see reward/infra_failures); fix the failing service (e.g. "
+                "the reward sandbox) and resume, or raise trainer.max_failed_steps (0 disables this check)"
+            )
 
     def _due(self, every: int, step: int) -> bool:
         """Every ``every`` steps (0 = never), except after the last step (the end of the run handles it)."""
@@ -119,7 +149,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
     """
     plan = build_plan(config)
-    resumed = checkpoint.read_engine_state(resume_from) if resume_from else None
+    resumed = checkpoint.read_engine_state(resume_from, config) if resume_from else None
     observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None

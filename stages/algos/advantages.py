@@ -16,9 +16,15 @@ singleton group has mean 0 and std 1), computed with scatter ops over group ids.
 * ``remax``: greedy-rollout baseline, Li et al. 2023, https://arxiv.org/abs/2310.10505.
 * ``opo``: length-weighted group baseline, https://arxiv.org/abs/2505.23585.
 * ``gpg``: group baseline scaled by batch/non-zero-score rows, https://arxiv.org/abs/2504.02546.
+* ``gdpo``: group reward-decoupled normalization (https://arxiv.org/abs/2601.05242, verl 0.9.1):
+  for each reward component k (scalar columns ``reward_keys``; none = the row's score),
+  ``A_k = (r_k − μ_g(r_k)) / (σ_g(r_k) + ε)`` within the group (GRPO, with
+  ``norm_adv_by_std_in_grpo``), ``A = Σ_k w_k·A_k`` (``reward_weights``, default 1), then
+  whitened over the batch's valid tokens: ``(A − mean_m A)/sqrt(var_m A + 1e-8)``, times the mask.
+* ``optimal_token_baseline`` / ``tir_optimal_token_baseline``: per-token baselines
+  (:mod:`advantages_otb`).
 
-Left out: verl's gdpo, optimal_token_baseline variants and the ``*_vectorized``
-aliases (every estimator here is vectorized). GAE and discounted REINFORCE++ are a
+Left out: verl's ``*_vectorized`` aliases (every estimator here is vectorized). GAE and discounted REINFORCE++ are a
 reverse scan over positions, vectorized over rows (REINFORCE++ with γ = 1 is a cumulative sum).
 """
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
@@ -80,6 +86,23 @@ class GPGParams(EstimatorParams):
     """Divisor of the scaled group-centered score."""
 
 
+class GDPOParams(GroupNormParams):
+    """GDPO's reward components (verl ``algorithm.gdpo_reward_keys`` / ``gdpo_reward_weights``)."""
+
+    reward_keys: list[str] = Field(default_factory=list)
+    """Scalar float32 columns, one per reward component, each normalized within its group; empty = the row's
+    score (the sum of its token rewards) as the only component."""
+    reward_weights: list[float] | None = None
+    """Weight of each component in the sum (same length as reward_keys); None = all 1."""
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "GDPOParams":
+        if self.reward_weights is not None and len(self.reward_weights) != max(len(self.reward_keys), 1):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for "
+                             f"{max(len(self.reward_keys), 1)} reward components; give one weight per reward_keys entry")
+        return self
+
+
 @dataclass(frozen=True)
 class Estimator:
     """A registered estimator: the function, its params model, the extra inputs it needs."""
@@ -87,15 +110,19 @@ class Estimator:
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     params: type[EstimatorParams] = EstimatorParams
     needs: tuple[str, ...] = ()
-    """Extra inputs beyond rewards/mask/group: ``values`` (critic) or ``reward_baselines`` (ReMax)."""
+    """Extra inputs beyond rewards/mask/group: ``values`` (critic), ``reward_baselines`` (ReMax),
+    ``reward_components`` (GDPO), ``old_log_probs``, ``sum_pi_squared``, ``is_weights`` (optimal token baseline)."""
+    grouped: bool = False
+    """Its baseline comes from the other samples of the same prompt: it needs generate n ≥ 2."""
 
     def __call__(self, token_rewards, response_mask, group, params=None, **extra):
         return self.fn(token_rewards, response_mask, group, params or self.params(), **extra)
 
 
-def estimator(name: str, params: type[EstimatorParams] = EstimatorParams, needs: tuple[str, ...] = ()):
+def estimator(name: str, params: type[EstimatorParams] = EstimatorParams, needs: tuple[str, ...] = (),
+              grouped: bool = False):
     def decorate(fn):
-        est = Estimator(fn, params, needs)
+        est = Estimator(fn, params, needs, grouped)
         ESTIMATORS.add(name, est)
         BUILTIN_ESTIMATORS[name] = est
         return fn
@@ -133,8 +160,8 @@ def gae(token_rewards, mask, group, p: GAEParams, values):
     return masked_whiten(adv, mask), adv + values
 
 
-@estimator("dr_grpo", DrGRPOParams)
-@estimator("grpo", GroupNormParams)
+@estimator("dr_grpo", DrGRPOParams, grouped=True)
+@estimator("grpo", GroupNormParams, grouped=True)
 def grpo(token_rewards, mask, group, p: GroupNormParams):
     scores = sequence_scores(token_rewards)
     mean, std, _ = group_mean_std(scores, group)
@@ -142,7 +169,7 @@ def grpo(token_rewards, mask, group, p: GroupNormParams):
     return _outcome(centered / (std + p.epsilon) if p.norm_adv_by_std_in_grpo else centered, mask)
 
 
-@estimator("grpo_passk", GroupNormParams)
+@estimator("grpo_passk", GroupNormParams, grouped=True)
 def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
     scores = sequence_scores(token_rewards)
     counts = group_count(group)
@@ -162,7 +189,7 @@ def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
     return _outcome(scalars, mask)
 
 
-@estimator("rloo")
+@estimator("rloo", grouped=True)
 def rloo(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     mean, _, n = group_mean_std(scores, group)
@@ -170,7 +197,7 @@ def rloo(token_rewards, mask, group, p):
     return _outcome(torch.where(n > 1, loo, scores), mask)
 
 
-@estimator("opo")
+@estimator("opo", grouped=True)
 def opo(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     lengths = mask.sum(dim=-1).to(scores.dtype)
@@ -186,7 +213,7 @@ def reinforce_plus_plus(token_rewards, mask, group, p: DiscountParams):
     return masked_whiten(returns, mask) * mask, returns
 
 
-@estimator("reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline", grouped=True)
 def reinforce_plus_plus_baseline(token_rewards, mask, group, p):
     scores = sequence_scores(token_rewards)
     mean, _, _ = group_mean_std(scores, group)
@@ -201,9 +228,22 @@ def remax(token_rewards, mask, group, p, reward_baselines):
     return returns - reward_baselines.unsqueeze(-1) * mask, returns
 
 
-@estimator("gpg", GPGParams)
+@estimator("gpg", GPGParams, grouped=True)
 def gpg(token_rewards, mask, group, p: GPGParams):
     scores = sequence_scores(token_rewards)
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
     mean, _, _ = group_mean_std(scores, group)
     return _outcome(alpha * (scores - mean) / p.f_norm, mask)
+
+
+@estimator("gdpo", GDPOParams, needs=("reward_components",), grouped=True)
+def gdpo(token_rewards, mask, group, p: GDPOParams, reward_components=None):
+    components = sequence_scores(token_rewards).unsqueeze(-1) if reward_components is None else reward_components
+    weights = p.reward_weights or [1.0] * components.shape[1]
+    total = torch.zeros_like(components[:, 0])
+    for k, weight in enumerate(weights):
+        mean, std, _ = group_mean_std(components[:, k], group)
+        centered = components[:, k] - mean
+        total = total + weight * (centered / (std + p.epsilon) if p.norm_adv_by_std_in_grpo else centered)
+    adv = masked_whiten(total.unsqueeze(-1) * mask, mask) * mask
+    return adv, adv

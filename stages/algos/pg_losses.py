@@ -10,8 +10,11 @@ correction, detached) multiply the per-token loss before aggregation.
 * ``vanilla``: PPO clip (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) with
   asymmetric ``clip_ratio_low/high`` (DAPO's clip-higher) and dual-clip bound
   ``clip_ratio_c`` for negative advantages (Ye et al. 2019, https://arxiv.org/abs/1912.09729).
-* ``gspo``: sequence-level ratio (Zheng et al. 2025, https://arxiv.org/abs/2507.18071);
-  always aggregated seq-mean-token-mean, as in verl.
+* ``gspo``: sequence-level ratio (Zheng et al. 2025, https://arxiv.org/abs/2507.18071):
+  ``s_i = exp(Σ_t m_t log(π_t/π_old,t) / |y_i|)``, token ratio ``s_i,t = sg[s_i]·π_t/sg[π_t]``
+  (log clamped at 10), loss ``max(−A·s_i,t, −A·clip(s_i,t, 1−ε_low, 1+ε_high))`` aggregated
+  with the configured ``loss_agg_mode`` (verl 0.9.1; default token-mean — the paper's
+  sequence-level mean is ``seq-mean-token-mean``; verl's main branch hard-codes it).
 * ``sapo``: soft sigmoid gates instead of clipping (https://arxiv.org/abs/2511.20347);
   always seq-mean-token-mean, as in verl.
 * ``gpg``: plain ``-A·logπ`` (https://arxiv.org/abs/2504.02546).
@@ -21,8 +24,11 @@ correction, detached) multiply the per-token loss before aggregation.
   micro-batch rows, which depends on micro-batching; equal for one micro-batch without empty rows).
 
 clip_cov / kl_cov live in :mod:`pg_losses_cov`, dppo_tv / dppo_kl in :mod:`pg_losses_dppo`.
-Left out: verl's ``dro`` and ``bypass_mode`` losses (bypass is handled by the
-``rollout_correction`` stage writing old_logprobs from the rollout's).
+* ``dro``: Direct Reward Optimization with a quadratic log-ratio penalty (verl 0.9.1):
+  ``−(A·log π − ½·β·(log π − log π_old)²)`` per token, β = ``dro_beta`` (required),
+  aggregated with ``loss_agg_mode``; metric ``ppo_kl`` only.
+
+``bypass_mode`` lives in :mod:`pg_losses_bypass`.
 """
 
 from __future__ import annotations
@@ -83,9 +89,16 @@ def gspo(*, log_prob, old_log_prob, advantages, mask, cfg, agg, is_weights=None)
     loss1 = -advantages * seq_ratio
     loss2 = -advantages * torch.clamp(seq_ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
     pg_losses = torch.maximum(loss1, loss2)
-    loss = agg(weighted(pg_losses, is_weights), mode="seq-mean-token-mean")
+    loss = agg(weighted(pg_losses, is_weights))  # the configured loss_agg_mode, as verl 0.9.1
     clipfrac = masked_mean(torch.gt(loss2, loss1).float(), mask)
     return loss, _metrics(clipfrac, masked_mean(-log_ratio, mask), 0.0)
+
+
+@POLICY_LOSSES.register("dro")
+def dro(*, log_prob, old_log_prob, advantages, mask, cfg, agg, is_weights=None):
+    log_ratio = log_prob - old_log_prob  # not clamped, as verl
+    pg_losses = -(log_prob * advantages - 0.5 * cfg.dro_beta * log_ratio.square())
+    return agg(weighted(pg_losses, is_weights)), {"actor/ppo_kl": float(masked_mean(-log_ratio.detach(), mask))}
 
 
 @POLICY_LOSSES.register("sapo")

@@ -13,21 +13,24 @@ Config names and defaults are verl's actor config (``actor_rollout_ref.actor.*``
 and ``actor.policy_loss.*`` flattened). One difference: ``clip_ratio_low`` and
 ``clip_ratio_high`` default to ``None`` (= ``clip_ratio``) where verl's YAML sets
 them to 0.2 explicitly; the effective defaults are equal.
-Left out: verl's ``dro`` and ``bypass_mode`` losses, ``use_prefix_grouper``.
+Left out: ``use_prefix_grouper``.
 """
 
 from __future__ import annotations
 
-import torch
-from pydantic import Field, field_validator
+from typing import Literal
 
-from rlpipe.errors import RlpipeError
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.stage import StageParams
-from rlpipe.stages.algos import pg_losses_cov, pg_losses_dppo  # noqa: F401  (register their losses)
+from rlpipe.stages.algos import pg_losses_bypass, pg_losses_cov, pg_losses_dppo  # noqa: F401  (register their losses)
 from rlpipe.stages.algos.aggregation import AGG_MODES, Aggregator, LossDenominators, local_counts
 from rlpipe.stages.algos.kl import check_kl_name, kl_penalty
 from rlpipe.stages.algos.ops import known_name, lookup, masked_mean
 from rlpipe.stages.algos.pg_losses import POLICY_LOSSES
+from rlpipe.stages.algos.rollout_correction import parse_is_threshold, parse_rs
 
 __all__ = ["ActorLossConfig", "LossDenominators", "SUMMED_METRICS", "actor_loss", "local_counts"]
 
@@ -36,14 +39,43 @@ SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/kl_loss", "actor/entropy_los
 micro-batches and ranks. Every other ``actor/*`` metric is a per-micro-batch mean: average it."""
 
 
+class BypassModeConfig(StageParams):
+    """``bypass_mode`` loss settings (verl's ``actor.policy_loss.rollout_correction``)."""
+
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """ppo_clip: PPO clip with ratio π/π_rollout (IS weights only reported); reinforce: −A·log π·w."""
+    rollout_is: Literal["token", "sequence"] | None = "sequence"
+    """IS weight level of w = π/π_rollout: token or sequence; null = none (reinforce: w = 1)."""
+    rollout_is_threshold: str | float = 2.0
+    """A number: truncate w at it (TIS). 'lower_upper' (e.g. '0.5_5.0'): zero w outside (IcePop)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide w by its batch mean."""
+    rollout_rs: str | None = None
+    """Rejection options, comma-separated (AND): token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3."""
+    rollout_rs_threshold: str | float | None = None
+    """One threshold for all options or one per option (comma-separated); *_k1 take 'lower_upper'."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "BypassModeConfig":
+        try:
+            parse_is_threshold(self.rollout_is_threshold)
+            if self.rollout_rs is not None:
+                parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+
 class ActorLossConfig(StageParams):
     """How the actor's loss is computed (verl's actor config, flattened)."""
 
     policy_loss: str = "vanilla"
-    """Registered policy loss: vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl."""
+    """Registered policy loss: vanilla, gspo, sapo, gpg, clip_cov, kl_cov, geo_mean, cispo, dppo_tv, dppo_kl,
+    dro, bypass_mode."""
     loss_agg_mode: str = "token-mean"
     """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    (gspo and sapo always aggregate seq-mean-token-mean, as in verl)."""
+    (sapo always aggregates seq-mean-token-mean, as in verl; gspo uses this mode, as verl 0.9.1 —
+    the GSPO paper's sequence-level mean is seq-mean-token-mean)."""
     clip_ratio: float = Field(0.2, ge=0)
     """PPO clip ε (dppo_*: the divergence threshold)."""
     clip_ratio_low: float | None = Field(None, ge=0)
@@ -66,6 +98,10 @@ class ActorLossConfig(StageParams):
     """sapo: gate temperature for positive advantages."""
     tau_neg: float = Field(1.05, gt=0)
     """sapo: gate temperature for non-positive advantages."""
+    dro_beta: float | None = Field(None, gt=0)
+    """dro: coefficient β of the quadratic log-ratio penalty ½·β·(log π − log π_old)²; required by dro."""
+    bypass: BypassModeConfig = Field(default_factory=BypassModeConfig)
+    """bypass_mode: in-loss IS/RS against the rollout policy and the loss type (use with old_log_prob: bypass)."""
     use_kl_loss: bool = False
     """Add kl_loss_coef × KL(π‖π_ref) to the loss (needs ref_logprobs from a `ref` stage)."""
     kl_loss_coef: float = Field(0.001, ge=0)
@@ -94,6 +130,12 @@ class ActorLossConfig(StageParams):
             return check_kl_name(name)
         except RlpipeError as exc:
             raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _dro_needs_beta(self) -> "ActorLossConfig":
+        if self.policy_loss == "dro" and self.dro_beta is None:
+            raise ValueError("policy_loss 'dro' needs dro_beta (the quadratic penalty coefficient, e.g. dro_beta: 0.1)")
+        return self
 
     @property
     def clip_low(self) -> float:

@@ -16,8 +16,26 @@ the data comes from π_rollout while the loss assumes π_old. With
   test ``-log ρ`` against ``[log lower, log upper]``; the others take one upper bound.
 
 RS only ever removes tokens from ``response_mask``; IS only produces a weight
-column that the policy loss multiplies in. Left out: verl's per-option
-std/fraction_high/low diagnostics (the masked fractions and mean/max/min are kept).
+column that the policy loss multiplies in.
+
+Diagnostics (verl 0.9.1 ``compute_is_metrics`` / ``compute_rs_metrics``), with ``w`` the
+applied weights, ``w̃`` the raw ones (before truncation), ``m`` the mask, ``mean_m`` the
+masked mean, ``u``/``l`` the bounds (``l = 1/u`` for TIS):
+
+* ``rollout_is_std = sqrt(max(0, mean_m(c²) − mean_m(c)²))`` with ``c = clamp(w, 0, u)``
+  (0 with ≤ 1 valid token);
+* per row ``s_i = Σ_t w_it m_it / (Σ_t m_it + 1e-8)`` over **all** rows:
+  ``rollout_is_seq_{mean,std (unbiased),max,min}``, ``rollout_is_seq_max_deviation = max|s_i − 1|``;
+  with ``s̃_i`` the same of ``w̃``: ``rollout_is_seq_fraction_high = mean(s̃_i > u)``,
+  ``rollout_is_seq_fraction_low = mean(s̃_i < l)``;
+* per RS option with statistic ``x`` (token level: per token; sequence level: the
+  sequence's value) and bounds ``(U, L)`` (``*_k1``: ``(log u, log l)``, else ``(u, 0)``):
+  ``_fraction_high`` = share of valid tokens (token level) or valid sequences (sequence level)
+  with ``x > U``; ``_fraction_low`` likewise ``x < L`` (``*_k1`` only, else 0);
+  ``_std = sqrt(max(0, mean_m(c²) − mean_m(c)²))``, ``c = clamp(x, L, U)``; over the valid
+  rows' per-sequence values ``v_i`` (sequence statistic, or ``mean_m`` of the token
+  statistic): ``_seq_{mean,std,max,min}``, ``_seq_max_deviation = max|v_i|``,
+  ``_seq_fraction_high = mean(v_i > U)``, ``_seq_fraction_low = mean(v_i < L)`` (``*_k1`` only).
 """
 
 from __future__ import annotations
@@ -108,6 +126,17 @@ def _is_metrics(weights, raw, mask, upper, lower, seq_log_ratio=None) -> dict[st
             "rollout_is_ratio_fraction_low": float((seq_log_ratio < math.log(low)).float().mean()),
         })  # fmt: skip
     metrics["rollout_is_eff_sample_size"] = float(1.0 / masked_mean(normalized.square(), mask))
+    metrics["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)
+    seq, raw_seq = masked_mean(weights, mask, dim=-1), masked_mean(raw, mask, dim=-1)
+    metrics.update({
+        "rollout_is_seq_mean": float(seq.mean()),
+        "rollout_is_seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
+        "rollout_is_seq_max": float(seq.max()),
+        "rollout_is_seq_min": float(seq.min()),
+        "rollout_is_seq_max_deviation": float((seq - 1.0).abs().max()),
+        "rollout_is_seq_fraction_high": float((raw_seq > upper).float().mean()),
+        "rollout_is_seq_fraction_low": float((raw_seq < low).float().mean()),
+    })  # fmt: skip
     if lower is not None:
         metrics["rollout_is_oob_ratio"] = float(masked_mean(((raw < lower) | (raw > upper)).float(), mask))
     return metrics
@@ -179,6 +208,8 @@ def rejection_mask(
         keep = stat <= upper if lower is None else (stat >= math.log(lower)) & (stat <= math.log(upper))
         keep_all &= keep
         metrics.update(_rs_metrics(f"rollout_rs_{option}", stat, keep, mask))
+        bounds = (math.log(upper), math.log(lower)) if lower is not None else (upper, None)
+        metrics.update(_rs_diagnostics(f"rollout_rs_{option}", stat, mask, option.startswith("token"), *bounds))
     metrics.update(_rs_metrics("rollout_rs", None, keep_all, mask))
     return mask * keep_all.to(mask.dtype), metrics
 
@@ -195,4 +226,41 @@ def _rs_metrics(prefix: str, stat, keep, mask) -> dict[str, float]:
     if stat is not None and valid.any():
         out.update({f"{prefix}_mean": float(masked_mean(stat, mask)), f"{prefix}_max": float(stat[valid].max()),
                     f"{prefix}_min": float(stat[valid].min())})  # fmt: skip
+    return out
+
+
+def _clamped_std(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> float:
+    """``sqrt(max(0, mean_m(c²) − mean_m(c)²))`` of ``c = clamp(values, low, high)``; 0 with ≤ 1 valid token."""
+    if mask.sum() <= 1:
+        return 0.0
+    clamped = values.clamp(min=low, max=high)
+    var = masked_mean(clamped.square(), mask) - masked_mean(clamped, mask).square()
+    return float(var.clamp(min=0.0).sqrt())
+
+
+def _rs_diagnostics(prefix: str, stat: torch.Tensor, mask: torch.Tensor, token_level: bool,
+                    upper: float, lower: float | None) -> dict[str, float]:
+    """verl's per-option RS diagnostics (formulas in the module docstring); ``lower`` only for *_k1."""
+    valid_rows = mask.sum(dim=-1) > 0
+    if not bool(valid_rows.any()):
+        return {}
+    floor = 0.0 if lower is None else lower
+    seq = (masked_mean(stat, mask, dim=-1) if token_level else stat[:, 0])[valid_rows]
+    if token_level:
+        high, low = masked_mean((stat > upper).float(), mask), masked_mean((stat < floor).float(), mask)
+    else:
+        high, low = (seq > upper).float().mean(), (seq < floor).float().mean()
+    out = {
+        f"{prefix}_fraction_high": float(high),
+        f"{prefix}_fraction_low": float(low) if lower is not None else 0.0,
+        f"{prefix}_std": _clamped_std(stat, mask, floor, upper),
+        f"{prefix}_seq_mean": float(seq.mean()),
+        f"{prefix}_seq_std": float(seq.std()) if seq.numel() > 1 else 0.0,
+        f"{prefix}_seq_max": float(seq.max()),
+        f"{prefix}_seq_min": float(seq.min()),
+        f"{prefix}_seq_max_deviation": float(seq.abs().max()),
+        f"{prefix}_seq_fraction_high": float((seq > upper).float().mean()),
+    }
+    if lower is not None:
+        out[f"{prefix}_seq_fraction_low"] = float((seq < lower).float().mean())
     return out

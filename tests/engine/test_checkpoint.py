@@ -37,7 +37,8 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path):
     first = Recorder()
     first_result = run_pipeline(_config(tmp_path / "b", 4, checkpoint_every=2), "", observer=first, inline=True)
     checkpoint = Path(first_result.output_dir) / "checkpoints" / "step_2"
-    assert (checkpoint / "engine.pkl").is_file() and (checkpoint / "actor_rank0.pt").is_file()
+    assert (checkpoint / "manifest.json").is_file() and (checkpoint / "actor_rank0.safetensors").is_file()
+    assert not list(checkpoint.glob("*.pkl")) and not list(checkpoint.glob("*.pt"))
 
     resumed = Recorder()
     resumed_result = run_pipeline(_config(tmp_path / "c", 4), "", observer=resumed, inline=True,

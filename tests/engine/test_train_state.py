@@ -10,7 +10,7 @@ from conftest import eval_logits
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import load_buckets
-from rlpipe.engine.state.train_state import TrainState, lr_lambda, updates_per_step
+from rlpipe.engine.state.train_state import NumericalError, TrainState, lr_lambda, updates_per_step
 from rlpipe.schemas.config import (
     ArchitectureConfig, DataConfig, LRScheduleConfig, ModelConfig, OptimizerConfig, PipelineConfig, TokenizerConfig,
     TrainerConfig,
@@ -104,7 +104,7 @@ def test_the_scheduler_applies_the_multiplier_to_the_peak_lr():
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("clip", [1.0, None])
 def test_a_non_finite_grad_norm_skips_the_update_and_warns(bad, clip, caplog):
-    state = TrainState(config(grad_clip=clip), 0, 1, None)
+    state = TrainState(config(grad_clip=clip, on_nonfinite="skip"), 0, 1, None)
     logits_with_grad(state.model).mean().backward()
     first = next(state.model.parameters())
     first.grad.view(-1)[0] = bad
@@ -119,12 +119,46 @@ def test_a_non_finite_grad_norm_skips_the_update_and_warns(bad, clip, caplog):
     assert any("non-finite grad norm" in r.getMessage() and "update skipped" in r.getMessage()
                and r.levelno == logging.WARNING for r in caplog.records)
     assert state.local_updates == 1  # the schedule still counts the update
+    assert out["skipped"] == 1.0 and state.skipped_updates == 1
 
     # the next finite update works as usual
     logits_with_grad(state.model).mean().backward()
     out = state.optimizer_step()
     assert torch.isfinite(torch.tensor(out["grad_norm"]))
     assert any(not torch.equal(p.detach(), q) for p, q in zip(state.model.parameters(), before))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_grad_norm_fails_by_default_leaving_the_weights_untouched(bad):
+    state = TrainState(config(), 0, 1, None)
+    logits_with_grad(state.model).mean().backward()
+    next(state.model.parameters()).grad.view(-1)[0] = bad
+    before = [p.detach().clone() for p in state.model.parameters()]
+    with pytest.raises(NumericalError, match=r"local update 0: the gradient norm is (inf|nan); the update was not "
+                                             r"applied.*trainer\.on_nonfinite: skip"):
+        state.optimizer_step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(state.model.parameters(), before))
+
+
+def test_non_finite_parameters_after_a_step_always_fail_naming_the_parameter():
+    state = TrainState(config(on_nonfinite="skip"), 0, 1, None)
+    for group in state.optimizer.param_groups:  # the config refuses inf; the optimizer can still overflow
+        group["lr"] = float("inf")
+    logits_with_grad(state.model).logsumexp(-1).mean().backward()
+    with pytest.raises(NumericalError, match=r"parameter '.+' became non-finite after the optimizer step"):
+        state.optimizer_step()
+
+
+def test_zero_grads_with_a_learning_signal_fail_after_k_updates_but_not_without_one():
+    state = TrainState(config(max_zero_grad_updates=2), 0, 1, None)
+    for _ in range(5):  # no learning signal (advantages all 0): zero grads are expected
+        (next(state.model.parameters()).sum() * 0).backward()
+        state.optimizer_step(expect_grad=False)
+    (next(state.model.parameters()).sum() * 0).backward()
+    state.optimizer_step(expect_grad=True)
+    (next(state.model.parameters()).sum() * 0).backward()
+    with pytest.raises(NumericalError, match=r"gradient norm was 0 for 2 consecutive updates"):
+        state.optimizer_step(expect_grad=True)
 
 
 def test_a_finite_step_does_not_warn(caplog):

@@ -111,6 +111,7 @@ def test_colocate_releases_the_engine_for_the_update_and_resumes_partial_rollout
     raw = _raw("colocate_async", steps=3, max_tokens=120, ignore_eos=True, length_distribution="pareto",
                min_tokens=64)
     raw["model"]["architecture"]["max_position_embeddings"] = 128
+    raw["data"]["max_prompt_length"] = 8  # 3-token prompts; prompt bound + max_tokens must fit the positions
     rec = _run(raw, tmp_path)
     pushes = [r for r in rec.records if r.kind == "weight_sync"]
     # aborted before the update (engine released), resumed by the push on the new version

@@ -13,8 +13,16 @@ from rlpipe.registry import registry
 
 
 ESTIMATORS = ["gae", "grpo", "dr_grpo", "grpo_passk", "rloo", "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline", "remax", "opo", "gpg"]
-LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl"]
+              "reinforce_plus_plus_baseline", "remax", "opo", "gpg", "gdpo", "optimal_token_baseline",
+              "tir_optimal_token_baseline"]
+LOSSES = ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl", "dro",
+          "bypass_mode"]
+# Params a loss requires besides its name.
+LOSS_PARAMS = {"dro": {"dro_beta": 0.1}, "bypass_mode": {"bypass": {"loss_type": "reinforce"}}}
+
+# Params an estimator needs on the quickstart's stages, by kind.
+STAGE_PARAMS = {name: {"old_log_prob": {"sum_pi_squared": True}}
+                for name in ("optimal_token_baseline", "tir_optimal_token_baseline")}
 
 # Stages an estimator needs besides the quickstart's (what writes the columns it reads).
 NEEDS = {
@@ -30,10 +38,13 @@ def _one_step(tmp_path, advantage: str = "grpo", policy_loss: str = "vanilla") -
     for stage in raw["stages"]:
         if stage["kind"] == "generate":
             stage = {**stage, "params": {**stage["params"], "n": 4}}
+        extra = STAGE_PARAMS.get(advantage, {}).get(stage["kind"])
+        if extra:
+            stage = {**stage, "params": {**stage.get("params", {}), **extra}}
         if stage["kind"] == "advantage":
             stage = {"kind": "advantage", "impl": advantage}
         if stage["kind"] == "update":
-            stage = {**stage, "params": {"policy_loss": policy_loss}}
+            stage = {**stage, "params": {"policy_loss": policy_loss, **LOSS_PARAMS.get(policy_loss, {})}}
         stages.append(stage)
     raw["stages"] = stages + NEEDS.get(advantage, [])
     rec = Recorder()

@@ -186,3 +186,19 @@ def test_trainer_on_cuda_scores_like_the_per_row_forward():
     assert next(state.model.parameters()).is_cuda
     result = trainer_stage(state, batch(), micro=2)
     assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model), atol=1e-4)
+
+
+@torch.no_grad()
+def test_trainer_writes_sum_pi_squared_per_response_token_on_request(state):
+    spec = stage_registry("old_log_prob").get("trainer")
+    params = spec.params_model(micro_batch_size=2, sum_pi_squared=True)
+    assert set(spec.write_columns(params)) == {"old_logprobs", "sum_pi_squared"}
+    result = spec.fn(state, batch(), params, ctx(temperature=0.7))
+    state.model.eval()
+    expected = []
+    for prompt, response in zip(PROMPTS, RESPONSES):  # Σ_v softmax(logits/T)² at each response position
+        logits = state.model(input_ids=torch.tensor([prompt + response])).logits[0].double()
+        probs = torch.softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)] / 0.7, -1)
+        expected.append(probs.square().sum(-1).tolist())
+    assert_rows_close(result.columns["sum_pi_squared"], expected)
+    assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model, 0.7))

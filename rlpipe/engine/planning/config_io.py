@@ -91,7 +91,20 @@ def _describe(err: dict[str, Any], raw: dict[str, Any]) -> str:
         return f"{loc}: unknown field{_suggest(err['loc'], raw)}"
     if kind == "missing":
         return f"{loc}: required field is missing"
-    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+    if kind == "finite_number":
+        return f"{loc}: must be a finite number, got {err.get('input')!r}; write a finite value (e.g. 1e-4)"
+    return f"{loc}: {message(err)} (got {shown(err.get('input'))})"
+
+
+def message(err: dict[str, Any]) -> str:
+    """A pydantic error's message without pydantic's "Value error, " prefix."""
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 300-character name need not be echoed whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
 
 
 def _dotted(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 import pyarrow as pa
 from pydantic import BaseModel, ValidationError
 
+from rlpipe.engine.planning import preflight
+from rlpipe.engine.planning.config_io import message, shown
 from rlpipe.engine.tracking.lineage import params_hash
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.registry import registry
@@ -87,6 +89,7 @@ class Plan:
 def build_plan(config: PipelineConfig) -> Plan:
     """Check ``config`` and return its logical DAG; raises PlanError/ConfigError with the fix."""
     validate_dataset_params(config.data.source, config.data.params)
+    preflight.check_config(config)
     nodes = [_plan_node(i, stage_cfg) for i, stage_cfg in enumerate(config.stages)]
     missing = [k for k in REQUIRED_KINDS if not any(n.kind == k for n in nodes)]
     if missing:
@@ -100,6 +103,10 @@ def build_plan(config: PipelineConfig) -> Plan:
     mode_params = _validate_params(mode_cls.Params, config.mode_params, "mode_params")
     plan = Plan(nodes, config.mode, mode_params)
     mode_cls.check(config, plan)
+    for node in nodes:
+        if node.spec.check is not None:
+            node.spec.check(node.params, config, plan)
+    preflight.check_plan(config, plan)
     return plan
 
 
@@ -128,8 +135,10 @@ def _validate_params(model: type[BaseModel], raw: dict[str, Any], where: str) ->
             if err["type"] == "extra_forbidden":
                 allowed = ", ".join(model.model_fields) or "(none)"
                 lines.append(f"{loc}: unknown param; allowed: {allowed}")
+            elif err["type"] == "finite_number":
+                lines.append(f"{loc}: must be a finite number, got {err.get('input')!r}; write a finite value")
             else:
-                lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+                lines.append(f"{loc}: {message(err)} (got {shown(err.get('input'))})")
         raise ConfigError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 

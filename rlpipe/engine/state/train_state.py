@@ -24,9 +24,15 @@ import torch.distributed as dist
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import WeightPush, export_buckets
+from rlpipe.errors import RlpipeError
 from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
 
 log = logging.getLogger(__name__)
+
+
+class NumericalError(RlpipeError):
+    """An update produced non-finite numbers or stopped learning (trainer.on_nonfinite,
+    trainer.max_zero_grad_updates); raised before the step's weight push."""
 
 
 def lr_lambda(schedule: LRScheduleConfig, total_updates: int):
@@ -81,6 +87,10 @@ class TrainState:
         )
         self.local_updates = 0
         self.version = 0
+        self.skipped_updates = 0
+        """Updates dropped for a non-finite loss or grad norm (trainer.on_nonfinite: skip)."""
+        self.zero_grad_streak = 0
+        """Consecutive updates with a zero grad norm although their advantages were not all zero."""
         if world_size > 1:
             self._join_group(dist_address)
 
@@ -108,25 +118,46 @@ class TrainState:
         return {k: float(v) / self.world_size for k, v in zip(keys, values)}
 
     # --- optimization ------------------------------------------------------
-    def optimizer_step(self) -> dict[str, float]:
-        """Sum grads over ranks, clip, step the optimizer and the schedule; returns grad norm and LR."""
+    def optimizer_step(self, loss_finite: bool = True, expect_grad: bool = False) -> dict[str, float]:
+        """Sum grads over ranks, clip, step the optimizer and the schedule; returns grad norm, LR and
+        ``skipped`` (1.0 when the update was dropped).
+
+        The numbers are guarded: a non-finite loss (``loss_finite`` False on any rank) or grad norm
+        fails the run (:class:`NumericalError`) or drops the update (``trainer.on_nonfinite``);
+        non-finite parameters after the step always fail; ``expect_grad`` (the advantages are not all
+        zero) with a zero grad norm for ``trainer.max_zero_grad_updates`` updates in a row fails.
+        """
+        trainer = self.config.trainer
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.world_size > 1 and params:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            self.all_reduce_sum(flat)
-            offset = 0
-            for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        clip = self.config.trainer.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
+        if self.world_size > 1:
+            flag = self.all_reduce_sum(torch.tensor([0.0 if loss_finite else 1.0], dtype=torch.float64))
+            loss_finite = bool(flag.item() == 0)
+            if params:
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                self.all_reduce_sum(flat)
+                offset = 0
+                for p in params:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                    offset += n
+        clip = trainer.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.tensor(0.0)
         lr = self.scheduler.get_last_lr()[0]
-        stepped = bool(torch.isfinite(grad_norm))
-        if stepped:
-            self.optimizer.step()
+        stepped = bool(torch.isfinite(grad_norm)) and loss_finite
+        if not stepped:
+            what = "the loss is non-finite" if not loss_finite else f"the gradient norm is {float(grad_norm)}"
+            if trainer.on_nonfinite == "fail":
+                raise NumericalError(
+                    f"local update {self.local_updates}: {what}; the update was not applied and no weights were "
+                    "pushed. Lower trainer.optimizer.lr, set trainer.grad_clip, check the rewards/advantages, or "
+                    "set trainer.on_nonfinite: skip to drop such updates"
+                )
+            self.skipped_updates += 1
+            log.warning("non-finite grad norm %s at local update %d (%s): update skipped",
+                        grad_norm, self.local_updates, what)
         else:
-            log.warning("non-finite grad norm %s at local update %d: update skipped", grad_norm, self.local_updates)
+            self.optimizer.step()
+            self._check_parameters()
         self.optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():
             # a skipped update still counts in the schedule (it counts local updates); torch warns about that order
@@ -134,7 +165,27 @@ class TrainState:
                 warnings.simplefilter("ignore", UserWarning)
             self.scheduler.step()
         self.local_updates += 1
-        return {"grad_norm": float(grad_norm), "lr": lr}
+        self._watch_zero_grad(stepped and expect_grad and float(grad_norm) == 0.0)
+        return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+
+    def _check_parameters(self) -> None:
+        for name, p in self.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise NumericalError(
+                    f"local update {self.local_updates}: parameter {name!r} became non-finite after the optimizer "
+                    f"step (lr {self.scheduler.get_last_lr()[0]:g}); the weights were not pushed. Lower "
+                    "trainer.optimizer.lr or set trainer.grad_clip"
+                )
+
+    def _watch_zero_grad(self, zero: bool) -> None:
+        self.zero_grad_streak = self.zero_grad_streak + 1 if zero else 0
+        limit = self.config.trainer.max_zero_grad_updates
+        if limit and self.zero_grad_streak >= limit:
+            raise NumericalError(
+                f"the gradient norm was 0 for {self.zero_grad_streak} consecutive updates although the advantages "
+                "were not all 0: the model stopped learning (saturated or diverged, e.g. a far too large lr). Lower "
+                "trainer.optimizer.lr, or raise trainer.max_zero_grad_updates (0 disables this check)"
+            )
 
     # --- weights -----------------------------------------------------------
     def export_weights(self):
@@ -173,14 +224,27 @@ class TrainState:
             "rng": torch.get_rng_state(),
         }
 
-    def save_checkpoint(self, prefix: str) -> str:
-        """Write this rank's state to ``<prefix>_rank<r>.pt``."""
-        path = f"{prefix}_rank{self.rank}.pt"
-        torch.save(self.state_dict(), path)
-        return path
+    def save_checkpoint(self, prefix: str) -> list[str]:
+        """Write this rank's state as ``<prefix>_rank<r>.safetensors`` (tensors) + ``.json`` (the rest); no pickle."""
+        from pathlib import Path
+
+        from rlpipe.engine.state.safe_io import save_state
+
+        target = Path(f"{prefix}_rank{self.rank}")
+        return [str(p) for p in save_state(self.state_dict(), target.parent, target.name)]
 
     def load_checkpoint(self, prefix: str) -> None:
-        self.load_state_dict(torch.load(f"{prefix}_rank{self.rank}.pt", weights_only=False))
+        """Load what :meth:`save_checkpoint` wrote (safetensors and JSON: data only, nothing executed)."""
+        from pathlib import Path
+
+        from rlpipe.engine.state.safe_io import load_state
+
+        target = Path(f"{prefix}_rank{self.rank}")
+        self.load_state_dict(load_state(target.parent, target.name))
+
+    def checkpoint_bytes(self) -> int:
+        """Estimated size of this rank's checkpoint: the model plus AdamW's two moments."""
+        return 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

@@ -140,3 +140,66 @@ def test_missing_ref_logprobs_is_a_clear_error():
 
     with pytest.raises(RlpipeError, match="add a `ref` stage"):
         _run(ActorLossConfig(use_kl_loss=True), [[1.0]], [[1.0]])
+
+
+# --- verl 0.9.1 parity (issue 14 part 5) -------------------------------------------------------------
+
+GSPO_RATIO, GSPO_ADV, GSPO_MASK = [[2.0, 1.0], [1.0, 3.0]], [[1.0, 1.0], [1.0, 1.0]], [[1.0, 1.0], [1.0, 0.0]]
+
+
+@pytest.mark.parametrize("mode, expected", [
+    # row 0: sequence ratio sqrt(2) < 1.5 on both tokens; row 1: one valid token, ratio 1
+    ("token-mean", (-2 * math.sqrt(2) - 1) / 3),
+    ("seq-mean-token-mean", (-math.sqrt(2) - 1) / 2),
+    ("token-sum", -2 * math.sqrt(2) - 1),
+])
+def test_gspo_honors_the_configured_loss_agg_mode(mode, expected):
+    cfg = ActorLossConfig(policy_loss="gspo", clip_ratio=0.5, loss_agg_mode=mode)
+    loss, _, _ = _run(cfg, GSPO_RATIO, GSPO_ADV, GSPO_MASK)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_gspo_defaults_to_token_mean_as_verl_0_9_1():
+    loss, _, _ = _run(ActorLossConfig(policy_loss="gspo", clip_ratio=0.5), GSPO_RATIO, GSPO_ADV, GSPO_MASK)
+    assert loss.item() == pytest.approx((-2 * math.sqrt(2) - 1) / 3)
+
+
+def test_dro_quadratic_penalty_hand_values():
+    # per token −(A·log π − ½β(log π − log π_old)²), β = 0.5, log π_old = 0
+    loss, metrics, grad = _run(ActorLossConfig(policy_loss="dro", dro_beta=0.5), [[2.0, 1.0]], [[1.0, -1.0]])
+    ln2 = math.log(2)
+    assert loss.item() == pytest.approx((-ln2 + 0.25 * ln2**2 + 0.0) / 2)
+    assert grad[0].tolist() == pytest.approx([(-1 + 0.5 * ln2) / 2, 1 / 2])  # (−A + β·log ratio) / tokens
+    assert metrics["actor/ppo_kl"] == pytest.approx(-ln2 / 2)
+
+
+def test_dro_needs_its_beta():
+    with pytest.raises(ValidationError, match="policy_loss 'dro' needs dro_beta"):
+        ActorLossConfig(policy_loss="dro")
+
+
+def test_bypass_mode_reinforce_applies_sequence_is_weights():
+    # log π_rollout = 0 (old_log_prob in bypass mode), log π = [ln 2, 0]: sequence weight exp(ln 2) = 2
+    cfg = ActorLossConfig(policy_loss="bypass_mode", bypass={"loss_type": "reinforce", "rollout_is": "sequence"})
+    loss, metrics, grad = _run(cfg, [[2.0, 1.0]], [[1.0, 1.0]])
+    assert loss.item() == pytest.approx(-2 * math.log(2) / 2)  # −A·log π·w, token-mean
+    assert grad[0].tolist() == pytest.approx([-1.0, -1.0])  # −A·w / 2: the weight carries no gradient
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(2.0)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-math.log(2) / 2)
+    cfg = ActorLossConfig(policy_loss="bypass_mode",
+                          bypass={"loss_type": "reinforce", "rollout_is": "sequence", "rollout_is_threshold": 1.5})
+    loss, _, _ = _run(cfg, [[2.0, 1.0]], [[1.0, 1.0]])
+    assert loss.item() == pytest.approx(-1.5 * math.log(2) / 2)  # truncated at 1.5
+
+
+def test_bypass_mode_ppo_clip_is_vanilla_without_is_weights_and_with_rejection():
+    cfg = ActorLossConfig(policy_loss="bypass_mode")  # ppo_clip, sequence IS reported only
+    loss, metrics, _ = _run(cfg, [[2.0, 1.0]], [[1.0, 1.0]])
+    assert loss.item() == pytest.approx((-1.2 - 1.0) / 2)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(2.0)
+    # token_k2 = ½(log ρ)² = 0.240 > 0.2 rejects token 0; the denominator stays the step's 2 tokens
+    cfg = ActorLossConfig(policy_loss="bypass_mode", bypass={"rollout_rs": "token_k2", "rollout_rs_threshold": 0.2})
+    loss, metrics, grad = _run(cfg, [[2.0, 1.0]], [[1.0, 1.0]])
+    assert loss.item() == pytest.approx(-1.0 / 2)
+    assert grad[0].tolist() == pytest.approx([0.0, -0.5])
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5)

@@ -119,3 +119,47 @@ def test_offpolicy_metrics_direct_formulas():
     assert m["log_ppl_diff"] == pytest.approx(sum(diffs) / 2)
     assert m["ppl_ratio"] == pytest.approx(sum(math.exp(d) for d in diffs) / 2)
     assert m["training_ppl"] == pytest.approx(sum(math.exp(-x) for x in mean_old) / 2)
+
+
+# --- verl 0.9.1 diagnostics: rollout_is_std, rollout_is_seq_*, rollout_rs_*_{std,fraction_*,seq_*} ---
+
+def test_is_std_and_sequence_diagnostics_hand_values():
+    _, m = is_weights(LOG_RATIO, MASK, "token", 2.0)
+    # valid weights 2, 1 | 0.5, 2, 1: mean 1.3, mean of squares 2.05 → std sqrt(0.36)
+    assert m["rollout_is_std"] == pytest.approx(0.6, rel=1e-6)
+    s0, s1 = 1.5, 3.5 / 3  # per-row means of the applied weights
+    assert m["rollout_is_seq_mean"] == pytest.approx((s0 + s1) / 2, rel=1e-6)
+    assert m["rollout_is_seq_std"] == pytest.approx(abs(s0 - s1) / math.sqrt(2), rel=1e-6)
+    assert (m["rollout_is_seq_max"], m["rollout_is_seq_min"]) == (pytest.approx(s0), pytest.approx(s1))
+    assert m["rollout_is_seq_max_deviation"] == pytest.approx(0.5)
+    assert m["rollout_is_seq_fraction_high"] == 0.0 and m["rollout_is_seq_fraction_low"] == 0.0
+    # raw per-row means 1.5 and (0.5 + 4 + 1)/3 = 1.83: above 1.6 is row 1; nothing below 1/1.6
+    _, m = is_weights(LOG_RATIO, MASK, "token", 1.6)
+    assert m["rollout_is_seq_fraction_high"] == pytest.approx(0.5)
+    assert m["rollout_is_seq_fraction_low"] == 0.0
+
+
+def test_rs_token_level_diagnostics_hand_values():
+    _, m = rejection_mask(LOG_RATIO, MASK, "token_k2", 0.2)
+    k = 0.5 * LN2**2  # 0.2402; the valid k2 values are k, 0 | k, ½ln4², 0
+    assert m["rollout_rs_token_k2_fraction_high"] == pytest.approx(3 / 5)
+    assert m["rollout_rs_token_k2_fraction_low"] == 0.0  # only *_k1 have a lower bound
+    assert m["rollout_rs_token_k2_std"] == pytest.approx(math.sqrt(0.024 - 0.12**2), rel=1e-5)  # clamp to [0, 0.2]
+    v0, v1 = k / 2, (k + 0.5 * LN4**2) / 3  # per-row means of the statistic
+    assert m["rollout_rs_token_k2_seq_mean"] == pytest.approx((v0 + v1) / 2, rel=1e-6)
+    assert m["rollout_rs_token_k2_seq_std"] == pytest.approx(abs(v1 - v0) / math.sqrt(2), rel=1e-6)
+    assert m["rollout_rs_token_k2_seq_max"] == pytest.approx(v1) and m["rollout_rs_token_k2_seq_min"] == pytest.approx(v0)
+    assert m["rollout_rs_token_k2_seq_max_deviation"] == pytest.approx(v1)
+    assert m["rollout_rs_token_k2_seq_fraction_high"] == pytest.approx(0.5)
+    assert "rollout_rs_token_k2_seq_fraction_low" not in m
+
+
+def test_rs_sequence_k1_diagnostics_use_log_bounds():
+    _, m = rejection_mask(LOG_RATIO, MASK, "seq_mean_k1", "0.8_1.5")
+    v0, v1 = -LN2 / 2, (LN2 - LN4) / 3  # mean of k1 = −log ρ per row: −0.347, −0.231, both < log 0.8
+    assert m["rollout_rs_seq_mean_k1_fraction_high"] == 0.0
+    assert m["rollout_rs_seq_mean_k1_fraction_low"] == pytest.approx(1.0)
+    assert m["rollout_rs_seq_mean_k1_seq_fraction_low"] == pytest.approx(1.0)
+    assert m["rollout_rs_seq_mean_k1_std"] == pytest.approx(0.0, abs=1e-6)  # both clamp to log 0.8
+    assert m["rollout_rs_seq_mean_k1_seq_mean"] == pytest.approx((v0 + v1) / 2, rel=1e-6)
+    assert m["rollout_rs_seq_mean_k1_seq_max_deviation"] == pytest.approx(LN2 / 2, rel=1e-6)
