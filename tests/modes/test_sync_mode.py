@@ -61,3 +61,13 @@ def test_every_local_update_counts_in_the_schedule(tmp_path):
     assert [rec.metrics[s]["actor/local_updates"] for s in (0, 1)] == [4.0, 8.0]
     # one push per global step, whatever the number of local updates
     assert [rec.metrics[s]["policy_version"] for s in (0, 1)] == [1, 2]
+
+
+def test_a_staleness_guard_in_sync_checks_the_sync_bound(tmp_path):
+    """Sync sets the guard's bound itself (staleness 1, version lag 0): one YAML runs in every mode."""
+    raw = quickstart_raw(trainer={"total_steps": 3})
+    raw["stages"].insert(2, {"kind": "staleness_guard", "impl": "max_staleness"})
+    rec = _run(raw, tmp_path)
+    for step in range(3):
+        assert rec.metrics[step]["staleness_guard/staleness/max"] == 1.0
+        assert rec.metrics[step]["staleness_guard/version_lag/max"] == 0.0
