@@ -20,8 +20,11 @@ call on a small thread pool; ``step()`` waits on a condition (at most
 
 Seeds: vLLM seeds a per-request generator from ``sampling_params.seed``; we pass
 ``stream_key(seed, request_id/partial length)``, so a request's tokens depend on
-its seed, id and the weights only (not on its batch), like the embedded engine's.
-The streams of the two engines differ: the same seed gives different tokens.
+its seed, id and the weights (and, as in any batched engine, float rounding of
+the batch it shares). Two differences from the embedded engine: its streams and
+vLLM's differ (the same seed gives different tokens), and a resumed request draws
+from a fresh stream (vLLM's generator cannot be rewound to a position), so an abort
+and resume without a push does not redraw the tokens an uninterrupted run would.
 
 Abort: ``POST /abort_requests`` with an empty body aborts everything the server
 tracks without pausing it (vllm/entrypoints/rl/online/api_router.py); vLLM then
@@ -46,9 +49,23 @@ logs "not supported on CPU"), so on CPU sleep pauses the server and frees nothin
 with ``discard_weights`` the engine still refuses to generate until the next push,
 as the contract says.
 
+Failures: an error of any call (an HTTP error, a dead server) is raised by the
+next ``step()`` / ``abort_all()`` and the engine stays failed (build a new one);
+``step()`` and ``health()`` check the server process on every call, and their
+errors name the replica and the server's log file.
+
+Checked against the real server (tests/inference/test_vllm.py): returned logprobs
+equal a transformers forward of the trainer's weights to 1e-4 before and after a
+push; aborted requests return partial tokens and resume across a push with both
+versions; a push resets the prefix cache (vLLM's ``vllm:prefix_cache_hits_total``);
+the rollout service drives the engine; a killed server is reported and leaves no
+process behind.
+
 Left out: tensor/data parallel servers (one process, one worker), LoRA, stop
-strings, multimodal inputs, and streaming (not needed: aborted calls return
-their partial tokens).
+strings, multimodal inputs, streaming (not needed: aborted calls return their
+partial tokens), and vLLM's pause/resume routes (``load_weights`` is refused
+while requests are in flight, so nothing runs during a push). An idle server's
+worker still polls its queue (about a fifth of a core).
 """
 
 from __future__ import annotations

@@ -76,9 +76,26 @@ def push(engine, seed):
     return timings
 
 
-def prefix_cache_hits(engine):
+def generated_so_far(engine):
+    return metric(engine, "vllm:generation_tokens_total")
+
+
+def wait_generated(engine, since, tokens, timeout=120.0):
+    """Wait until the server generated ``tokens`` more tokens than ``since`` (abort mid-generation,
+    whatever the machine's speed)."""
+    deadline = time.monotonic() + timeout
+    while generated_so_far(engine) < since + tokens:
+        assert time.monotonic() < deadline, f"the server did not generate {tokens} tokens in {timeout} s"
+        time.sleep(0.02)
+
+
+def metric(engine, name):
     text = engine.server.request("GET", "/metrics")
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def prefix_cache_hits(engine):
+    return metric(engine, "vllm:prefix_cache_hits_total")
 
 
 def test_generates_tokens_logprobs_versions_reproducibly(engine):
@@ -123,16 +140,15 @@ def test_pushed_weights_reach_the_server(engine):
 
 def test_abort_then_resume_across_a_push_carries_both_versions(engine):
     v = engine.version
-    start = time.perf_counter()  # pace: abort after about 300 of the 1500 tokens, on a fast or a busy machine
-    engine.generate(requests(n=4, max_tokens=200, ignore_eos=True, prefix="pace"))
-    per_token = (time.perf_counter() - start) / 200
     reqs = requests(n=4, max_tokens=1500, ignore_eos=True, prefix="long")
+    since = generated_so_far(engine)
     engine.submit(reqs)
-    time.sleep(300 * per_token)
+    wait_generated(engine, since, 4 * 100)  # abort after about 100 of each request's 1500 tokens
     partials = engine.abort_all()
     assert engine.num_running() == 0 and not engine.has_active()
     assert sorted(p.request_id for p in partials) == sorted(r.request_id for r in reqs)
-    assert all(p.finish_reason == "abort" and len(p.response_ids) < 1500 for p in partials)
+    assert all(p.finish_reason == "abort" and len(p.response_ids) < 1500 for p in partials), \
+        [(p.finish_reason, len(p.response_ids)) for p in partials]
     assert any(len(p.response_ids) > 0 for p in partials), "no request had sampled a token before the abort"
     push(engine, seed=2)
     by_id = {p.request_id: p for p in partials}
@@ -181,6 +197,31 @@ def test_abort_returns_waiting_requests_untouched(engine):
     assert engine.num_waiting() == 1 and engine.next_ready_in() > 50
     [res] = engine.abort_all()
     assert res.finish_reason == "abort" and len(res.response_ids) == 0
+
+
+def test_the_rollout_service_drives_the_engine_across_a_push(engine):
+    from conftest import prompt_table
+    from rlpipe.engine.rollout_service import RolloutService
+    from rlpipe.stages.generate import GenerateParams
+
+    v = engine.version
+    svc = RolloutService(engine, TOK)
+    try:
+        since = generated_so_far(engine)
+        svc.submit(prompt_table(TOK, PROMPTS, 3), GenerateParams(n=2, max_tokens=1500, ignore_eos=True), seed=5)
+        wait_generated(engine, since, 8 * 100)
+        new = model(4)
+        aborted = svc.push_weights(export_buckets(new), v + 1)  # pause (abort_all) -> load_weights -> resume
+        TRAINER["model"] = new
+        table = svc.collect(min_groups=len(PROMPTS), timeout=120)
+    finally:
+        svc.shutdown()
+    assert aborted > 0 and table.num_rows == 2 * len(PROMPTS) and engine.version == v + 1
+    versions = table.column("token_versions").to_pylist()
+    for row in versions:
+        k = row.count(v)
+        assert len(row) == 1500 and row == [v] * k + [v + 1] * (1500 - k)
+    assert any(0 < row.count(v) < 1500 for row in versions)
 
 
 def test_a_killed_server_is_reported_and_close_leaves_no_process(engine):
