@@ -89,14 +89,12 @@ class StepExecutor:
         try:
             result = self._dispatch(node, table, ctx)
             out = apply_result(node, table, result)
-        except StageError:
-            raise
         except Exception as exc:
-            # Ray wraps a remote error; its `cause` is the original (often our StageError).
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, StageError):
-                raise cause from None
-            raise StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc) from exc
+            error = _stage_error(node, step, exc)
+            self._record_failure(step, node, table, input_fp, start, error)
+            if error is exc:
+                raise
+            raise error from (None if error is getattr(exc, "cause", None) else exc)
         duration = time.time() - start
         if result.carry:
             self.carry[node.name] = dict(result.carry)
@@ -118,9 +116,24 @@ class StepExecutor:
         self.record_external(step, node, **fields)
         return fields["output_fingerprint"]
 
+    def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str, start: float,
+                        error: BaseException) -> None:
+        """The lineage of a failed execution: its input and the error (the trace shows it in red)."""
+        self.record_external(step, node, input_fingerprint=input_fp, output_fingerprint="", rows_in=table_in.num_rows,
+                             rows_out=0, policy_versions=[], start_time=start, duration_s=time.time() - start,
+                             metrics={}, error=f"{type(error).__name__}: {error}")
+
+    def where(self, node: PlannedNode) -> str:
+        """Where a node runs, for its lineage: ``task``, ``driver`` or ``<role>×<replicas>``."""
+        spec = node.spec
+        if spec.placement != "worker":
+            return spec.placement
+        return f"{spec.role}×{self.backend.group_size(spec.role)}"
+
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,
-                        duration_s: float, metrics: dict[str, float]) -> None:
+                        duration_s: float, metrics: dict[str, float], worker: str | None = None,
+                        error: str = "") -> None:
         """Hand the observer a node execution that another process ran and fingerprinted
         (separate_async's rollout replicas score their own groups)."""
         self.observer.on_node_end(NodeRecord(
@@ -129,6 +142,7 @@ class StepExecutor:
             input_fingerprint=input_fingerprint, output_fingerprint=output_fingerprint,
             rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
             trainer_version=self.policy_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
+            worker=worker if worker is not None else self.where(node), error=error,
         ))
 
     def _dispatch(self, node: PlannedNode, table: pa.Table, ctx: StageContext) -> StageResult:
@@ -143,6 +157,16 @@ class StepExecutor:
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
         results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs)
         return merge_results(results, shards, spec.creates_rows)
+
+
+def _stage_error(node: PlannedNode, step: int, exc: Exception) -> StageError:
+    """The StageError of a failed node: its own, the one a Ray error wraps, or a new one naming kind, impl, step."""
+    if isinstance(exc, StageError):
+        return exc
+    cause = getattr(exc, "cause", None)  # Ray wraps a remote error; its `cause` is the original
+    if isinstance(cause, StageError):
+        return cause
+    return StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc)
 
 
 def _rows(table: pa.Table, rows: np.ndarray) -> pa.Table:

@@ -216,6 +216,8 @@ LINEAGE_SCHEMA = pa.schema(
         pa.field("start_time", pa.float64()),  # seconds since the epoch
         pa.field("duration_s", pa.float64()),
         pa.field("metrics", pa.string()),  # JSON object of float metrics
+        pa.field("worker", pa.string()),
+        pa.field("error", pa.string()),
     ]
 )
 """Schema of the lineage table: the fields of NodeRecord, params and metrics as JSON text."""
@@ -237,10 +239,12 @@ def records_to_table(records: Iterable[NodeRecord]) -> pa.Table:
 def table_to_records(table: pa.Table) -> list[NodeRecord]:
     """Inverse of :func:`records_to_table` (used to continue the lineage of a resumed run)."""
     out = []
-    for d in table.select(LINEAGE_SCHEMA.names).to_pylist():
+    names = [n for n in LINEAGE_SCHEMA.names if n in table.column_names]  # tables of older runs lack newer fields
+    for d in table.select(names).to_pylist():
         for k in _JSON_FIELDS:
             d[k] = json.loads(d[k]) if d[k] else {}
         d["policy_versions"] = d["policy_versions"] or []
+        d["worker"], d["error"] = d.get("worker") or "", d.get("error") or ""
         out.append(NodeRecord(**d))
     return out
 

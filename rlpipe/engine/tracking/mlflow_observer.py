@@ -13,6 +13,11 @@ Layout of what it writes (readable with the plain MLflow client, or with
   :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
   and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
   metrics per step plus ``timing/<node>`` (seconds).
+* one **trace** per executed step (:mod:`rlpipe.engine.tracking.traces`), linked to
+  the parent run: a root span ``step N`` and one span per node execution with its
+  recorded start and end, so the UI's trace timeline shows the step DAG (and, in the
+  async modes, generation overlapping training). The experiment is tagged
+  ``mlflow.experimentKind = custom_model_development`` so the UI opens on its runs.
 * one **child run** per DAG node (nested through ``mlflow.parentRunId``, tag
   ``rlpipe.role = node``), created on the node's first record, tagged
   ``rlpipe.kind / impl / node / code_hash / params_hash``, with the impl params
@@ -63,7 +68,7 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlpipe.engine.tracking import runs  # noqa: E402
+from rlpipe.engine.tracking import runs, traces  # noqa: E402
 from rlpipe.engine.tracking.lineage import records_to_table, table_to_records  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
@@ -75,6 +80,9 @@ _STATUSES = ("FINISHED", "FAILED", "KILLED")
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in keys on every OS (no colon on Windows)
 _MAX_KEY = 250
 _MAX_LIST_PARAMS = 16  # longer lists become one JSON param instead of one param per item
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""The experiment kind MLflow 3's UI opens on its training runs (not on the GenAI overview)."""
 
 
 class TrackingError(RlpipeError):
@@ -133,6 +141,7 @@ class MLflowObserver:
         self._records: dict[int, dict[tuple[str, float], NodeRecord]] = {}
         self._trajectory_lineage: list[pa.Table] = []
         self._earlier_attempt: set[int] = set()  # steps whose records come from before a resume
+        self._traced: set[int] = set()  # steps logged as an MLflow trace
         self._lineage_dirty = False
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
@@ -144,6 +153,7 @@ class MLflowObserver:
         with self._lock:
             try:
                 self.client = MlflowClient(tracking_uri=self.tracking_uri)
+                traces.use_store(self.tracking_uri)
                 self.experiment_id = self._experiment()
                 if self.resume_run_id:
                     self._resume(self.resume_run_id)
@@ -186,6 +196,7 @@ class MLflowObserver:
             if not self._accepting("on_step_end"):
                 return
             self._guard(f"logging step {step} metrics", self._log_step_metrics, step, metrics)
+            self._guard(f"logging step {step} trace", self._log_trace, step, "")
             if trajectories is not None and self.tracking.sample_trajectories:
                 self._guard(f"logging step {step} trajectories", self._log_trajectories, step, trajectories)
             if trajectory_lineage is not None:
@@ -220,6 +231,10 @@ class MLflowObserver:
                 log.warning("unknown run status %r; recording FAILED", status)
                 status = "FAILED"
             self._guard("writing the lineage table", self._write_lineage)
+            for step in sorted(set(self._records) - self._traced - self._earlier_attempt):
+                # steps without a step end: the one that failed, or one cut short
+                self._guard(f"logging step {step} trace", self._log_trace, step, error or f"run ended {status}")
+            self._guard("writing the traces", traces.flush)
             if error:
                 self._guard("recording the error", self._log_error, error)
             end = int(time.time() * 1000)
@@ -239,9 +254,12 @@ class MLflowObserver:
                     f"MLflow experiment {name!r} at {self.tracking_uri} is deleted; restore it "
                     f"(`mlflow experiments restore`) or set tracking.experiment to another name"
                 )
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment without a kind opens on the GenAI overview
+                self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return exp.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=self._artifact_location(name))
+            return self.client.create_experiment(name, artifact_location=self._artifact_location(name),
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except Exception:
             exp = self.client.get_experiment_by_name(name)  # another process created it meanwhile
             if exp is None:
@@ -375,6 +393,12 @@ class MLflowObserver:
         pq.write_table(table, path)
         self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
         path.unlink()
+
+    def _log_trace(self, step: int, error: str) -> None:
+        if step in self._traced or not self._records.get(step):
+            return
+        self._traced.add(step)
+        traces.log_step_trace(self.client, self.experiment_id, self.run_id, step, self._records[step].values(), error)
 
     def _write_lineage(self) -> None:
         if not self._lineage_dirty:

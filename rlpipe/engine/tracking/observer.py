@@ -37,14 +37,23 @@ class NodeRecord:
     output_fingerprint: str
     """Fingerprint of the batch after this node."""
     rows_in: int
+    """Rows of the input batch."""
     rows_out: int
+    """Rows of the output batch."""
     policy_versions: list[int]
     """Distinct policy versions present in the output's token_versions (sorted)."""
     trainer_version: int
     """The trainer's policy version when the node ran."""
     start_time: float
+    """Seconds since the epoch when the node started."""
     duration_s: float
+    """Wall time of the execution in seconds."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The stage's own metrics."""
+    worker: str = ""
+    """Where it ran: ``task``, ``driver``, or the worker role with its replica count (``rollout×2``)."""
+    error: str = ""
+    """The error that ended this execution (empty when it succeeded)."""
 
 
 class Observer(Protocol):
