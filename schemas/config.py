@@ -175,6 +175,9 @@ class TrackingConfig(Strict):
     """MLflow experiment name."""
     sample_trajectories: int = Field(16, ge=0)
     """Trajectories per step saved to the trajectories Parquet artifact."""
+    figures_every: int = Field(10, ge=0)
+    """Steps between redraws of the run's figures (figures/*.png) and browsable tables (tables/*.json);
+    0 = only at the run's end, which always draws them."""
 
 
 class StageConfig(Strict):

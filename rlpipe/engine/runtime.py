@@ -21,13 +21,13 @@ from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state import checkpoint
 from rlpipe.engine.state.data import PromptLoader
 from rlpipe.engine.execution.executor import Backend, StepExecutor
-from rlpipe.engine.tracking.lineage import trajectory_lineage
+from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import REWARD
+from rlpipe.schemas.batch import PROMPT_IDS, REWARD
 from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class Runtime:
         self.on_step = on_step
         self.start_step = 0
         self.output_dir = str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
-        self.loader = PromptLoader(config.data, build_tokenizer(config.tokenizer), config.seed)
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        self.loader = PromptLoader(config.data, self.tokenizer, config.seed)
         self.backend = backend
         self.workers = backend.workers
         self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
@@ -79,7 +80,7 @@ class Runtime:
             headline["reward/mean"] = float(np.mean(table.column(REWARD).to_numpy()))
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
-        sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
+        sample = self._sample(table)
         self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
         self.last_metrics = headline
         if self._due(self.config.trainer.save_every, step):
@@ -88,6 +89,17 @@ class Runtime:
             checkpoint.save(self, step + 1)
         if self.on_step:
             self.on_step(step, headline)
+
+    def _sample(self, table: pa.Table) -> pa.Table | None:
+        """The trajectories shown in MLflow, with their prompts decoded (a few rows: cheap on the driver)."""
+        n = self.config.tracking.sample_trajectories
+        if not n:
+            return None
+        sample = table.slice(0, n)
+        if PROMPT_IDS in sample.column_names and PROMPT_TEXT not in sample.column_names:
+            texts = self.tokenizer.batch_decode(sample.column(PROMPT_IDS).to_pylist(), skip_special_tokens=True)
+            sample = sample.append_column(PROMPT_TEXT, pa.array(texts, pa.string()))
+        return sample
 
     def _due(self, every: int, step: int) -> bool:
         """Every ``every`` steps (0 = never), except after the last step (the end of the run handles it)."""

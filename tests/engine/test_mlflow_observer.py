@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from rlpipe.engine.tracking import runs, traces  # noqa: E402
-from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash  # noqa: E402
+from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash, trajectory_lineage  # noqa: E402
 from rlpipe.engine.tracking.mlflow_observer import MLflowObserver, TrackingError  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
@@ -52,7 +52,8 @@ def feed(obs: MLflowObserver, run_id: str, steps, nodes=NODES, step_end: bool = 
         for node, kind, impl in nodes:
             obs.on_node_end(node_record(run_id, step, node, kind, impl))
         if step_end:
-            obs.on_step_end(step, {"reward/mean": 0.1 * step, "step": step}, trajectories(step))
+            obs.on_step_end(step, {"reward/mean": 0.1 * step, "step": step, "timing/reward_s": 0.01},
+                            trajectories(step), trajectory_lineage(trajectories(step), step))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,9 @@ def test_parent_run(finished):
     assert run.info.artifact_uri.startswith(str(root))  # artifacts next to the sqlite file
     hist = client.get_metric_history(run_id, "reward/mean")
     assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(0, 0.0), (1, 0.1)]
-    assert {m.step for m in client.get_metric_history(run_id, "timing/reward")} == {0, 1}
+    timing = client.get_metric_history(run_id, "timing/reward_s")  # one timing metric per node: the records' sum
+    assert [round(m.value, 6) for m in sorted(timing, key=lambda m: m.step)] == [0.7, 0.7]
+    assert not any(k.startswith("timing/") and not k.endswith("_s") for k in run.data.metrics)
 
 
 def test_experiment_opens_on_training_runs(finished):
@@ -127,6 +130,26 @@ def test_each_step_is_a_trace_of_its_node_executions(finished):
             assert "rlpipe.worker" in a and "rlpipe.error" not in a
             assert abs((span.end_time_ns - span.start_time_ns) / 1e9 - a["rlpipe.duration_s"]) < 1e-3
         assert spans[0].span_type == "LLM" and spans[1].span_type == "EVALUATOR"
+
+
+def test_trajectories_and_lineage_are_tables_the_ui_renders(finished):
+    obs, run_id, client, _ = finished
+    logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "tables/trajectories.json", "type": "table"} in logged
+    assert {"path": "tables/lineage.json", "type": "table"} in logged
+    traj = client.load_table(obs.experiment_id, "tables/trajectories.json", run_ids=[run_id])
+    assert len(traj) == 6 and traj["step"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert {"prompt", "response", "reward", "advantage", "min_version", "max_version", "status"} <= set(traj.columns)
+    assert traj["reward"].tolist()[:3] == [1.0, 0.0, 0.5] and traj["max_version"].tolist()[3:] == [1, 1, 1]
+    lineage = client.load_table(obs.experiment_id, "tables/lineage.json", run_ids=[run_id])
+    assert lineage[["step", "node"]].values.tolist() == [[s, n] for s in (0, 1) for n, _, _ in NODES]
+    assert set(lineage["output_fingerprint"]) == {fingerprint(trajectories(s))[:12] for s in (0, 1)}
+
+
+def test_figures(finished):
+    _, run_id, client, _ = finished
+    assert {f.path for f in client.list_artifacts(run_id, "figures")} == {
+        "figures/reward.png", "figures/stage_time.png", "figures/staleness.png", "figures/token_versions.png"}
 
 
 def test_node_runs(finished):

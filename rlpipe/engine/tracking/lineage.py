@@ -38,6 +38,9 @@ from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.errors import BatchError
 from rlpipe.schemas import batch as B
 
+PROMPT_TEXT = "prompt_text"
+"""Column the runtime adds to the trajectories it samples for MLflow: the decoded prompt."""
+
 _DIGEST_SIZE = 16  # 128 bits: collisions are not a concern for lineage, short hex is
 
 # ---------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from typing import Any
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
 
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -68,7 +69,7 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlpipe.engine.tracking import runs, traces  # noqa: E402
+from rlpipe.engine.tracking import figures, runs, traces, ui_tables  # noqa: E402
 from rlpipe.engine.tracking.lineage import records_to_table, table_to_records  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
@@ -142,6 +143,9 @@ class MLflowObserver:
         self._trajectory_lineage: list[pa.Table] = []
         self._earlier_attempt: set[int] = set()  # steps whose records come from before a resume
         self._traced: set[int] = set()  # steps logged as an MLflow trace
+        self._resumed_lineage_steps: set[int] = set()  # consuming steps of trajectory lineage from before a resume
+        self._rewards: dict[int, float] = {}  # reward/mean per step, for the figures
+        self._trajectory_rows: list[dict] = []  # the browsable trajectories table
         self._lineage_dirty = False
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
@@ -185,6 +189,7 @@ class MLflowObserver:
                 return
             if record.step in self._earlier_attempt:  # a resumed run re-runs this step: its records replace the old
                 self._earlier_attempt.discard(record.step)
+                self._traced.discard(record.step)
                 self._records.pop(record.step, None)
             self._records.setdefault(record.step, {})[(record.node, record.start_time)] = record
             self._lineage_dirty = True
@@ -200,9 +205,17 @@ class MLflowObserver:
             if trajectories is not None and self.tracking.sample_trajectories:
                 self._guard(f"logging step {step} trajectories", self._log_trajectories, step, trajectories)
             if trajectory_lineage is not None:
+                if step in self._resumed_lineage_steps:  # this step ran before a resume: its new rows replace the old
+                    self._resumed_lineage_steps.discard(step)
+                    self._trajectory_lineage = [t.filter(pc.not_equal(t.column("consumed_step"), step))
+                                                for t in self._trajectory_lineage]
+                    self._trajectory_rows = [r for r in self._trajectory_rows if r["step"] != step]
                 self._trajectory_lineage.append(trajectory_lineage)
                 self._guard("writing the trajectory lineage", self._write_trajectory_lineage)
             self._guard("writing the lineage table", self._write_lineage)
+            every = self.tracking.figures_every
+            if every and (step + 1) % every == 0:
+                self._guard("drawing the figures and tables", self._write_views)
 
     def _write_trajectory_lineage(self) -> None:
         """Every consumed trajectory: its versions and the step that consumed it (``lineage/trajectories.parquet``)."""
@@ -235,6 +248,7 @@ class MLflowObserver:
                 # steps without a step end: the one that failed, or one cut short
                 self._guard(f"logging step {step} trace", self._log_trace, step, error or f"run ended {status}")
             self._guard("writing the traces", traces.flush)
+            self._guard("drawing the figures and tables", self._write_views)
             if error:
                 self._guard("recording the error", self._log_error, error)
             end = int(time.time() * 1000)
@@ -296,6 +310,7 @@ class MLflowObserver:
             self._node_runs[node] = child.info.run_id
             self._node_hash[node] = child.data.tags.get("rlpipe.params_hash", "")
             self.client.update_run(child.info.run_id, status="RUNNING")
+        self._rewards = {int(m.step): m.value for m in self.client.get_metric_history(run_id, "reward/mean")}
         try:
             table = runs.lineage_table(run_id, self.tracking_uri)
         except runs.RunNotFoundError:
@@ -303,6 +318,14 @@ class MLflowObserver:
         for r in table_to_records(table):
             self._records.setdefault(r.step, {})[(r.node, r.start_time)] = r
         self._earlier_attempt = set(self._records)
+        self._traced = set(self._records)  # their traces exist; a step run again gets a new one
+        try:
+            earlier = runs.trajectory_lineage_table(run_id, self.tracking_uri)
+        except runs.RunNotFoundError:
+            return
+        self._trajectory_lineage = [earlier]
+        self._resumed_lineage_steps = set(earlier.column("consumed_step").to_pylist())
+        self._trajectory_rows = runs.table_rows(run_id, ui_tables.TRAJECTORIES_TABLE, self.tracking_uri)
 
     # -- per node / per step -------------------------------------------------------------------
 
@@ -373,12 +396,16 @@ class MLflowObserver:
                 values[_key(k)] = float(v)
             except (TypeError, ValueError):
                 log.debug("step metric %r is not a number (%r); skipped", k, v)
+        timing: dict[str, float] = {}
         for r in self._records.get(step, {}).values():
-            key = _key(f"timing/{r.node}")
-            values[key] = values.get(key, 0.0) + float(r.duration_s)  # summed over repeated runs
+            key = _key(f"timing/{r.node}_s")
+            timing[key] = timing.get(key, 0.0) + float(r.duration_s)  # summed over repeated runs
             # Headline fallback: the reward stage's own mean when the engine did not pass one.
             if "reward/mean" in r.metrics:
                 values.setdefault("reward/mean", float(r.metrics["reward/mean"]))
+        values.update(timing)  # the records' sum replaces the executor's last-execution figure: one metric per node
+        if "reward/mean" in values:
+            self._rewards[step] = values["reward/mean"]
         self._log_metrics(self.run_id, values, step, int(time.time() * 1000))
 
     def _log_trajectories(self, step: int, trajectories: Any) -> None:
@@ -393,12 +420,27 @@ class MLflowObserver:
         pq.write_table(table, path)
         self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
         path.unlink()
+        self._trajectory_rows.extend(ui_tables.trajectory_rows(step, table))
 
     def _log_trace(self, step: int, error: str) -> None:
         if step in self._traced or not self._records.get(step):
             return
         self._traced.add(step)
         traces.log_step_trace(self.client, self.experiment_id, self.run_id, step, self._records[step].values(), error)
+
+    def _write_views(self) -> None:
+        """Figures (figures/*.png) and the browsable tables (tables/*.json) from what the run has so far."""
+        records = [r for step in sorted(self._records) for r in self._records[step].values()]
+        folder = self._tmp / "tables"
+        folder.mkdir(exist_ok=True)
+        if self._trajectory_rows:
+            ui_tables.write_table(self.client, self.run_id, self._trajectory_rows, ui_tables.TRAJECTORIES_TABLE, folder)
+        if records:
+            ui_tables.write_table(self.client, self.run_id, ui_tables.lineage_rows(records), ui_tables.LINEAGE_TABLE,
+                                  folder)
+        lineage = pa.concat_tables(self._trajectory_lineage) if self._trajectory_lineage else None
+        by_step = {step: list(recs.values()) for step, recs in self._records.items()}
+        figures.log_figures(self.client, self.run_id, self._rewards, by_step, lineage)
 
     def _write_lineage(self) -> None:
         if not self._lineage_dirty:

@@ -31,6 +31,7 @@ ROLE_PIPELINE = "pipeline"
 ROLE_NODE = "node"
 NODE_TAG = "rlpipe.node"
 LINEAGE_ARTIFACT = "lineage/lineage.parquet"
+TRAJECTORY_LINEAGE_ARTIFACT = "lineage/trajectories.parquet"
 TRAJECTORIES_DIR = "trajectories"
 
 
@@ -101,6 +102,23 @@ def _read_parquet_artifact(c: MlflowClient, run_id: str, path: str) -> pa.Table:
 def lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
     """The lineage table of a pipeline run (schema :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`)."""
     return _read_parquet_artifact(client(tracking_uri), run_id, LINEAGE_ARTIFACT)
+
+
+def trajectory_lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
+    """Every consumed trajectory of a run: uid, versions, prompt and consuming step
+    (schema :data:`rlpipe.engine.tracking.lineage.TRAJECTORY_LINEAGE_SCHEMA`)."""
+    return _read_parquet_artifact(client(tracking_uri), run_id, TRAJECTORY_LINEAGE_ARTIFACT)
+
+
+def table_rows(run_id: str, path: str, tracking_uri: str | None = None) -> list[dict]:
+    """The rows of a JSON table artifact (MLflow's ``split`` layout, as ``log_table`` writes); [] if absent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client(tracking_uri).download_artifacts(run_id, path, tmp)
+        except Exception:  # MLflow raises different types per artifact store
+            return []
+        df = pd.read_json(local, orient="split", dtype=False, convert_dates=False)
+        return df.astype(object).where(df.notna(), None).to_dict("records")
 
 
 def trajectories(run_id: str, step: int, tracking_uri: str | None = None) -> pa.Table:
