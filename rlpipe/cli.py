@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages."""
+"""``rlpipe`` command line: run, validate, stages, lineage, runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from rlpipe import cli_lineage
 from rlpipe.errors import RlpipeError
 
 console = Console(stderr=True)
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["run"].add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
                                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
+    cli_lineage.add_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
     try:
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(args.pipeline, args.override)
         if args.command == "run":
             return _run(args.pipeline, args.override, args.resume)
+        if args.command in ("lineage", "runs"):
+            return cli_lineage.run_command(args)
         return _stages()
     except RlpipeError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state import checkpoint
@@ -27,7 +28,7 @@ from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import PROMPT_IDS, REWARD
+from rlpipe.schemas.batch import PROMPT_IDS, REWARD, UID
 from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,11 @@ class Runtime:
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
         sample = self._sample(table)
-        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
+        replicas = self.executor.replica_of
+        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step, replicas))
+        if UID in table.column_names:
+            for uid in pc.unique(table.column(UID)).to_pylist():
+                replicas.pop(uid, None)
         self.last_metrics = headline
         if self._due(self.config.trainer.save_every, step):
             self.save_model(f"step_{step + 1}")

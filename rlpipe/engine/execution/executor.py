@@ -20,11 +20,13 @@ from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
-from rlpipe.schemas.batch import DP_RANK
+from rlpipe.schemas.batch import DP_RANK, UID
 from rlpipe.engine.stage_call import apply_result, as_array
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
+
+_MAX_REPLICA_NOTES = 1 << 20
 
 
 class Backend(Protocol):
@@ -63,6 +65,15 @@ class StepExecutor:
         """Mode hooks called before each node (e.g. release the rollout engine before the update)."""
         self.after_node: list[Callable[[PlannedNode, int], None]] = []
         """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
+        self.replica_of: dict[str, int] = {}
+        """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
+
+    def note_replicas(self, uids: list[str], replica: int) -> None:
+        """Remember that rollout replica ``replica`` generates the prompts ``uids``."""
+        if len(self.replica_of) > _MAX_REPLICA_NOTES:  # groups never consumed (evicted, dropped): forget the oldest
+            for uid in list(self.replica_of)[: _MAX_REPLICA_NOTES // 2]:
+                del self.replica_of[uid]
+        self.replica_of.update(dict.fromkeys(uids, replica))
 
     @property
     def dp_size(self) -> int:
@@ -153,6 +164,9 @@ class StepExecutor:
         if spec.placement == "driver":
             return spec.fn(table, node.params, dataclasses.replace(ctx, workers=self.backend.workers))
         shards = self.backend.shards(spec.role, table, DP_RANK)
+        if spec.role == "rollout" and spec.creates_rows and UID in table.column_names:
+            for replica, rows in enumerate(shards):
+                self.note_replicas(table.column(UID).take(pa.array(rows)).to_pylist(), replica)
         tables = [_rows(table, rows) for rows in shards]
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
         results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs)

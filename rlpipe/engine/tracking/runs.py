@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no download bars in CLI output
 
 import pandas as pd  # noqa: E402
 import pyarrow as pa  # noqa: E402
