@@ -24,8 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("pipeline", help="path of the pipeline YAML")
         cmd.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. -o trainer.total_steps=5 -o stages.update.params.clip_ratio=0.1")
-    sub.choices["run"].add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
-                                    help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+    run = sub.choices["run"]
+    run.add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
+                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+    run.add_argument("--inline", action="store_true",
+                     help="run every stage in this process, without Ray (small runs, debugging)")
+    run.add_argument("--log-every", type=int, default=1, metavar="N",
+                     help="when stderr is not a terminal: one progress line every N steps (default 1)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
     cli_lineage.add_commands(sub)
     args = parser.parse_args(argv)
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.pipeline, args.override)
         if args.command == "run":
-            return _run(args.pipeline, args.override, args.resume)
+            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every)
         if args.command in ("lineage", "runs"):
             return cli_lineage.run_command(args)
         return _stages()
@@ -60,30 +65,28 @@ def _validate(path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1) -> int:
+    import time
 
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
+    from rlpipe.engine.tracking.runs import resolve_tracking_uri
+    from rlpipe.progress import RunEnd, reporter
 
     config, text = load_pipeline(path, overrides)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(config.name, total=config.trainer.total_steps, status="starting Ray")
-
-        def on_step(step: int, metrics: dict[str, float]) -> None:
-            reward = metrics.get("reward/mean", float("nan"))
-            progress.update(task, completed=step + 1, status=f"reward/mean {reward:.3f}")
-
-        result = run_pipeline(config, text, on_step=on_step, resume_from=resume)
-    out = Console()
-    out.print(f"[bold green]done[/]: {result.steps} steps, final reward/mean "
-              f"{result.final_metrics.get('reward/mean', float('nan')):.3f}")
-    out.print(f"model: {result.output_dir}/final")
+    started = time.time()
+    progress = reporter(config.name, config.trainer.total_steps, every=log_every)
+    try:
+        result = run_pipeline(config, text, on_step=progress.step, resume_from=resume, inline=inline,
+                              on_phase=progress.phase)
+    finally:
+        progress.close()
+    ui = None
     if config.tracking.enabled:
-        uri = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
-        out.print(f"MLflow run id: [bold]{result.run_id}[/]  (experiment {config.tracking.experiment!r})")
-        out.print(f"open it with:  mlflow ui --backend-store-uri {uri}")
+        ui = f"mlflow ui --backend-store-uri {resolve_tracking_uri(config.tracking.uri)}"
+    progress.finish(RunEnd(steps=result.steps, wall_s=time.time() - started, model_dir=result.model_dir,
+                           checkpoint_dir=result.checkpoint_dir, run_id=result.run_id if config.tracking.enabled else None,
+                           ui_command=ui, reward=result.final_metrics.get("reward/mean")))
     return 0
 
 

@@ -45,6 +45,11 @@ class RunResult:
     output_dir: str
     final_metrics: dict[str, float]
     steps: int
+    """Steps this invocation ran (a resumed run counts only the steps after its checkpoint)."""
+    model_dir: str = ""
+    """The final model's folder."""
+    checkpoint_dir: str | None = None
+    """Where step checkpoints went (None: none written)."""
 
 
 class Runtime:
@@ -65,6 +70,7 @@ class Runtime:
         self.workers = backend.workers
         self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
         self.last_metrics: dict[str, float] = {}
+        self.steps_run = 0
         self._initial_sync()
 
     def _initial_sync(self) -> None:
@@ -88,6 +94,7 @@ class Runtime:
             for uid in pc.unique(table.column(UID)).to_pylist():
                 replicas.pop(uid, None)
         self.last_metrics = headline
+        self.steps_run += 1
         if self._due(self.config.trainer.save_every, step):
             self.save_model(f"step_{step + 1}")
         if self._due(self.config.trainer.checkpoint_every, step):
@@ -129,14 +136,18 @@ def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> O
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
                  on_step: Callable[[int, dict[str, float]], None] | None = None,
                  observer: Observer | None = None, inline: bool = False,
-                 resume_from: str | None = None) -> RunResult:
+                 resume_from: str | None = None, on_phase: Callable[[str], None] | None = None) -> RunResult:
     """Plan, start, run every step, save the final model; returns where things are.
 
     ``inline=True`` runs every stage in this process (no Ray): for benchmarks and tests.
     ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
+    ``on_phase(name)`` is told when each start-up phase begins (starting Ray, building workers,
+    loading the model, the first step ...); the first ``on_step`` call ends the last one.
     """
+    phase = on_phase or (lambda name: None)
     plan = build_plan(config)
     resumed = checkpoint.read_engine_state(resume_from) if resume_from else None
+    phase("starting MLflow tracking" if config.tracking.enabled else "planning")
     observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None
@@ -145,16 +156,23 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         mode_cls = registry("mode").get(config.mode)
         roles = set(ALWAYS_ROLES) | plan.roles() | mode_cls.roles(config)
         if inline:
+            phase("building workers in this process")
             backend = InlineBackend(config, roles)
         else:
+            phase("starting Ray")
             init_ray(config.resources.ray_address, config.resources.num_cpus)
+            phase(f"building workers ({', '.join(sorted(roles))})")
             backend = RayBackend.start(config, roles)
+        phase("loading data and the first weight sync")
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
         if resumed:
+            phase("restoring the checkpoint")
             checkpoint.restore(runtime, resume_from, resumed)
         mode = mode_cls(runtime, plan.mode_params)
+        phase(f"step {runtime.start_step} (the first: warm-up)")
         mode.run()
-        runtime.save_model("final")
+        phase("saving the final model")
+        model_dir = runtime.save_model("final")
     except KeyboardInterrupt:
         observer.on_run_end("KILLED", "interrupted")
         raise
@@ -166,4 +184,6 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
             backend.shutdown()
     observer.on_run_end("FINISHED")
     log.info("run %s finished in %.1fs", run_id, time.time() - started)
-    return RunResult(run_id, runtime.output_dir, runtime.last_metrics, config.trainer.total_steps)
+    checkpoints = Path(runtime.output_dir) / "checkpoints"
+    return RunResult(run_id, runtime.output_dir, runtime.last_metrics, runtime.steps_run, model_dir,
+                     str(checkpoints.resolve()) if checkpoints.is_dir() else None)
