@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlpipe import cli_lineage
-from rlpipe.errors import RlpipeError
+from rlpipe.errors import ConfigError, RlpipeError
 
 console = Console(stderr=True)
 
@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.choices["run"]
     run.add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
                      help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+    run.add_argument("--fork", action="store_true",
+                     help="with --resume of a finished run: go on in a new run linked to it (tag rlpipe.forked_from)")
+    run.add_argument("--extend", action="store_true",
+                     help="with --resume of a finished run: add steps to it (raise trainer.total_steps); "
+                          "its old final model is kept as final_step_<N>")
     run.add_argument("--inline", action="store_true",
                      help="run every stage in this process, without Ray (small runs, debugging)")
     run.add_argument("--log-every", type=int, default=1, metavar="N",
@@ -39,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             return _validate(args.pipeline, args.override)
         if args.command == "run":
-            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every)
+            if (args.fork or args.extend) and not args.resume:
+                raise ConfigError("--fork and --extend go with --resume CHECKPOINT_DIR (the checkpoint to go on from)")
+            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend)
         if args.command in ("lineage", "runs"):
             return cli_lineage.run_command(args)
         return _stages()
@@ -65,7 +72,8 @@ def _validate(path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1) -> int:
+def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1,
+         fork: bool = False, extend: bool = False) -> int:
     import time
 
     from rlpipe.engine.planning.config_io import load_pipeline
@@ -78,7 +86,7 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
     progress = reporter(config.name, config.trainer.total_steps, every=log_every)
     try:
         result = run_pipeline(config, text, on_step=progress.step, resume_from=resume, inline=inline,
-                              on_phase=progress.phase)
+                              on_phase=progress.phase, fork=fork, extend=extend)
     finally:
         progress.close()
     ui = None

@@ -26,6 +26,7 @@ from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.planning.plan import Plan, build_plan
+from rlpipe.engine.resume import plan_resume
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import PROMPT_IDS, REWARD, UID
@@ -124,31 +125,35 @@ class Runtime:
         return path
 
 
-def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:
+def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
+                  tags: dict[str, str] | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
     from rlpipe.engine.tracking.background_observer import BackgroundObserver
     from rlpipe.engine.tracking.mlflow_observer import MLflowObserver
 
-    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id))
+    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id, tags=tags))
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
                  on_step: Callable[[int, dict[str, float]], None] | None = None,
                  observer: Observer | None = None, inline: bool = False,
-                 resume_from: str | None = None, on_phase: Callable[[str], None] | None = None) -> RunResult:
+                 resume_from: str | None = None, on_phase: Callable[[str], None] | None = None,
+                 fork: bool = False, extend: bool = False) -> RunResult:
     """Plan, start, run every step, save the final model; returns where things are.
 
     ``inline=True`` runs every stage in this process (no Ray): for benchmarks and tests.
-    ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
+    ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every); a finished run
+    only with ``fork`` (a new run linked to it) or ``extend`` (more steps, same run): see rlpipe.engine.resume.
     ``on_phase(name)`` is told when each start-up phase begins (starting Ray, building workers,
     loading the model, the first step ...); the first ``on_step`` call ends the last one.
     """
     phase = on_phase or (lambda name: None)
     plan = build_plan(config)
-    resumed = checkpoint.read_engine_state(resume_from) if resume_from else None
+    resume = plan_resume(config, resume_from, fork, extend) if resume_from else None
+    resumed = resume.state if resume else None
     phase("starting MLflow tracking" if config.tracking.enabled else "planning")
-    observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
+    observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None
     started = time.time()
@@ -173,6 +178,8 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         mode.run()
         phase("saving the final model")
         model_dir = runtime.save_model("final")
+        if config.trainer.checkpoint_every:  # what --extend continues from
+            checkpoint.save(runtime, config.trainer.total_steps)
     except KeyboardInterrupt:
         observer.on_run_end("KILLED", "interrupted")
         raise

@@ -88,7 +88,7 @@ def recent_runs(tracking_uri: str | None = None, experiment: str | None = None, 
     out = []
     for r in _pipeline_runs(uri, experiment, limit):
         m, p = r.data.metrics, r.data.params
-        total = p.get("trainer.total_steps")
+        total = r.data.tags.get("rlpipe.extended_to") or p.get("trainer.total_steps")  # --extend raises it
         end = r.info.end_time
         out.append(RunSummary(
             run_id=r.info.run_id, name=r.info.run_name, experiment=names.get(r.info.experiment_id, "?"),

@@ -124,8 +124,11 @@ def _chunks(items: list, n: int):
 class MLflowObserver:
     """An :class:`rlpipe.engine.tracking.observer.Observer` that writes to MLflow (layout in the module docstring)."""
 
-    def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None):
+    def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None,
+                 tags: dict[str, str] | None = None):
         self.tracking = tracking
+        self.tags = dict(tags or {})
+        """Extra tags on the parent run (e.g. rlpipe.forked_from)."""
         self.run_name = run_name
         self.resume_run_id = resume_run_id
         self.tracking_uri = runs.resolve_tracking_uri(tracking.uri)
@@ -161,8 +164,10 @@ class MLflowObserver:
                 self.experiment_id = self._experiment()
                 if self.resume_run_id:
                     self._resume(self.resume_run_id)
+                    for k, v in self.tags.items():
+                        self.client.set_tag(self.run_id, k, v)
                 else:
-                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary)}
+                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary), **self.tags}
                     run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
                     self.run_id = run.info.run_id
                     params = [Param(_key(k), v) for k, v in _flatten(config).items()]
