@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages, lineage, runs."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             if (args.fork or args.extend) and not args.resume:
                 raise ConfigError("--fork and --extend go with --resume CHECKPOINT_DIR (the checkpoint to go on from)")
             return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend)
-        if args.command in ("lineage", "runs"):
+        if args.command in ("lineage", "replay", "runs"):
             return cli_lineage.run_command(args)
         return _stages()
     except RlpipeError as exc:

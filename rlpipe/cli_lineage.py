@@ -1,4 +1,4 @@
-"""``rlpipe lineage`` and ``rlpipe runs``: what a recorded run did, from the command line.
+"""``rlpipe lineage``, ``rlpipe replay`` and ``rlpipe runs``: what a recorded run did, from the command line.
 
 Reads what the MLflow observer wrote (see :mod:`rlpipe.engine.tracking.explain`);
 ``--tracking-uri`` picks the store (default: ``MLFLOW_TRACKING_URI``, else
@@ -21,9 +21,16 @@ def add_commands(sub) -> None:
     lineage.add_argument("--step", type=int, default=None, help="show this step's node executions")
     lineage.add_argument("--trajectory", metavar="UID", default=None,
                          help="show where the trajectories of this prompt uid came from and what they fed")
+    replay = sub.add_parser("replay", help="re-run one stage on the batch a run recorded, as recorded or changed")
+    replay.add_argument("run", help="run id, a unique prefix of one, a run name, or 'latest'")
+    replay.add_argument("--step", type=int, required=True, help="a step whose batches were recorded "
+                        "(tracking.record_batches_every)")
+    replay.add_argument("--node", required=True, help="the node to re-run (a task stage: reward, advantage, ...)")
+    replay.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="change the node, e.g. -o impl=rloo or -o params.norm_adv_by_std_in_grpo=false")
     runs = sub.add_parser("runs", help="recent pipeline runs with status, steps and reward")
     runs.add_argument("--limit", type=int, default=20, help="how many runs (newest first)")
-    for cmd in (lineage, runs):
+    for cmd in (lineage, replay, runs):
         cmd.add_argument("--tracking-uri", default=None, help="MLflow store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
         cmd.add_argument("--experiment", default=None, help="only runs of this MLflow experiment")
 
@@ -31,6 +38,8 @@ def add_commands(sub) -> None:
 def run_command(args: argparse.Namespace) -> int:
     if args.command == "runs":
         return _runs(args)
+    if args.command == "replay":
+        return _replay(args)
     return _lineage(args)
 
 
@@ -128,3 +137,32 @@ def _trajectory(out: Console, stories) -> None:
             table.add_row(_fmt(s.sample_index, "d"), _fmt(s.replica, "d"), str(s.num_tokens), versions,
                           _fmt(row.get("reward")), _fmt(row.get("advantage")), str(row.get("status") or "-"), text)
         out.print(table)
+
+
+def _replay(args) -> int:
+    from rlpipe.engine.replay import replay
+
+    r = replay(args.run, args.step, args.node, args.override, args.tracking_uri, args.experiment)
+    out = Console()
+    out.print(f"run [bold]{r.run_id}[/], step {r.step}, node {r.node!r}: {r.before}"
+              + (f" → {r.after}" if args.override else "") + f" on the recorded batch ({r.columns[0].rows if r.columns else 0} rows)")
+    if r.reproduced is not None:
+        out.print("recorded impl reproduces the recorded output: " + ("yes (same fingerprint)" if r.reproduced
+                  else "[bold red]no[/] (output fingerprint differs: nondeterminism or changed code)"))
+    table = Table(title="outputs" + (" (recorded impl vs changed)" if args.override else ""))
+    for column in ("column", "rows changed", "mean before", "mean after", "max |diff|"):
+        table.add_column(column)
+    for c in r.columns:
+        table.add_row(c.name, f"{c.rows_changed}/{c.rows}", _fmt(c.mean_before, ".4f"), _fmt(c.mean_after, ".4f"),
+                      _fmt(c.max_abs_diff, ".4g"))
+    out.print(table)
+    metrics = Table(title="metrics")
+    for column in ("metric", "recorded", "replayed" if not args.override else "before", *(("after",) if args.override else ())):
+        metrics.add_column(column)
+    for k in sorted(set(r.metrics_before) | set(r.metrics_after) | set(r.recorded_metrics)):
+        row = [k, _fmt(r.recorded_metrics.get(k), ".4g"), _fmt(r.metrics_before.get(k), ".4g")]
+        if args.override:
+            row.append(_fmt(r.metrics_after.get(k), ".4g"))
+        metrics.add_row(*row)
+    out.print(metrics)
+    return 0

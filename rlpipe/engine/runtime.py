@@ -69,7 +69,8 @@ class Runtime:
         self.loader = PromptLoader(config.data, self.tokenizer, config.seed)
         self.backend = backend
         self.workers = backend.workers
-        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
+        record = config.tracking.record_batches_every if config.tracking.enabled else 0
+        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed, record)
         self.last_metrics: dict[str, float] = {}
         self.steps_run = 0
         self._initial_sync()

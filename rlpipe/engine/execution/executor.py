@@ -49,7 +49,8 @@ class Backend(Protocol):
 class StepExecutor:
     """Runs nodes of a plan; one instance per pipeline run."""
 
-    def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int):
+    def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int,
+                 record_batches_every: int = 0):
         self.plan = plan
         self.backend = backend
         self.observer = observer
@@ -65,6 +66,8 @@ class StepExecutor:
         """Mode hooks called before each node (e.g. release the rollout engine before the update)."""
         self.after_node: list[Callable[[PlannedNode, int], None]] = []
         """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
+        self.record_batches_every = record_batches_every
+        """Every N steps, hand each node's input batch and context to the observer (for replay); 0 = never."""
         self.replica_of: dict[str, int] = {}
         """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
 
@@ -96,6 +99,7 @@ class StepExecutor:
                            carry=dict(self.carry.get(node.name, {})))
         for hook in self.before_node:
             hook(node, step)
+        self._record_input(step, node, table, ctx)
         start = time.time()
         try:
             result = self._dispatch(node, table, ctx)
@@ -126,6 +130,14 @@ class StepExecutor:
         fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp)
         self.record_external(step, node, **fields)
         return fields["output_fingerprint"]
+
+    def _record_input(self, step: int, node: PlannedNode, table: pa.Table, ctx: StageContext) -> None:
+        every = self.record_batches_every
+        on_node_input = getattr(self.observer, "on_node_input", None)
+        if not every or step % every or on_node_input is None:
+            return
+        on_node_input(step, node.name, table, {"step": ctx.step, "seed": ctx.seed, "policy_version": ctx.policy_version,
+                                               "dp_size": ctx.dp_size, "extras": ctx.extras, "carry": ctx.carry})
 
     def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str, start: float,
                         error: BaseException) -> None:

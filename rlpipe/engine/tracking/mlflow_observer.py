@@ -70,7 +70,7 @@ from mlflow.utils.validation import (  # noqa: E402
 )
 
 from rlpipe.engine.tracking import figures, runs, traces, ui_tables  # noqa: E402
-from rlpipe.engine.tracking.lineage import records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking.lineage import params_json, records_to_table, table_to_records  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
@@ -239,6 +239,27 @@ class MLflowObserver:
             if not self._accepting("on_artifact"):
                 return
             self._guard(f"logging artifact {local_path}", self._log_artifact, Path(local_path), artifact_path)
+
+    def on_node_input(self, step: int, node: str, table: pa.Table, context: dict[str, Any]) -> None:
+        """``batches/step_<S>/<node>.parquet`` and ``.json`` (the stage context): what ``rlpipe replay`` re-runs."""
+        with self._lock:
+            if not self._accepting("on_node_input"):
+                return
+            self._guard(f"recording the input of {node!r} at step {step}", self._log_node_input, step, node, table,
+                        context)
+
+    def _log_node_input(self, step: int, node: str, table: pa.Table, context: dict[str, Any]) -> None:
+        folder = self._tmp / "batches"
+        folder.mkdir(exist_ok=True)
+        name = _key(node).replace("/", "_")
+        dest = f"{runs.BATCHES_DIR}/step_{step:06d}"
+        parquet, context_file = folder / f"{name}.parquet", folder / f"{name}.json"
+        # non-compliant nesting keeps list children named "item": the batch reads back with its exact types
+        pq.write_table(table, parquet, use_compliant_nested_type=False)
+        context_file.write_text(params_json(context))
+        for path in (parquet, context_file):
+            self.client.log_artifact(self.run_id, str(path), dest)
+            path.unlink()
 
     def on_run_end(self, status: str, error: str | None = None) -> None:
         with self._lock:

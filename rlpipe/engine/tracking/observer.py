@@ -77,6 +77,12 @@ class Observer(Protocol):
         """A file or directory produced by the run (a saved model, a checkpoint)."""
         ...
 
+    def on_node_input(self, step: int, node: str, table: Any, context: dict[str, Any]) -> None:
+        """The input batch of a node execution and its stage context (step, seed, policy version, extras,
+        carry), on steps chosen by ``tracking.record_batches_every``: what ``rlpipe replay`` re-runs.
+        Optional: the executor skips observers without it."""
+        ...
+
     def on_run_end(self, status: str, error: str | None = None) -> None:
         """Called once; status is FINISHED, FAILED or KILLED. Everything produced so far must be persisted."""
         ...
@@ -97,6 +103,9 @@ class NullObserver:
         pass
 
     def on_artifact(self, local_path, artifact_path=None) -> None:
+        pass
+
+    def on_node_input(self, step, node, table, context) -> None:
         pass
 
     def on_run_end(self, status, error=None) -> None:

@@ -34,6 +34,7 @@ NODE_TAG = "rlpipe.node"
 LINEAGE_ARTIFACT = "lineage/lineage.parquet"
 TRAJECTORY_LINEAGE_ARTIFACT = "lineage/trajectories.parquet"
 TRAJECTORIES_DIR = "trajectories"
+BATCHES_DIR = "batches"
 
 
 class RunNotFoundError(RlpipeError):
