@@ -447,6 +447,7 @@ class MLflowObserver:
         self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
         path.unlink()
         self._trajectory_rows.extend(ui_tables.trajectory_rows(step, table))
+        del self._trajectory_rows[: -ui_tables.MAX_TRAJECTORY_ROWS]
 
     def _log_trace(self, step: int, error: str) -> None:
         if step in self._traced or not self._records.get(step):

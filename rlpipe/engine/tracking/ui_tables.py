@@ -7,7 +7,8 @@ MLflow's artifact view shows a ``.json`` file as a table when it is in the
 every call; the observer instead keeps the rows and rewrites each table now and
 then (``tracking.figures_every``) and at the run's end, with the same layout and tag.
 
-* ``tables/trajectories.json`` — per sampled trajectory: step, uid, prompt and
+* ``tables/trajectories.json`` — the latest :data:`MAX_TRAJECTORY_ROWS` sampled
+  trajectories (every step's sample stays in ``trajectories/step_*.parquet``): step, uid, prompt and
   response text (cut at :data:`MAX_TEXT` characters), reward, mean advantage over
   the response, token versions (min/max), prompt step, status, response length.
 * ``tables/lineage.json`` — per node execution: step, node, kind/impl, worker,
@@ -37,6 +38,8 @@ TRAJECTORIES_TABLE = "tables/trajectories.json"
 LINEAGE_TABLE = "tables/lineage.json"
 MAX_TEXT = 2000
 """Characters of prompt and response text kept per row."""
+MAX_TRAJECTORY_ROWS = 5000
+"""Rows of the trajectories table: the most recent ones (every step's sample stays in trajectories/*.parquet)."""
 
 
 def _mean_per_row(table: pa.Table, name: str) -> list[float | None]:
