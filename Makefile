@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup quickstart test bench clean
+.PHONY: setup quickstart test ui-check bench clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ quickstart: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest
+
+# The MLflow UI on a recorded run in headless Chromium (apt-get install chromium); screenshots
+# go to $RLPIPE_SCREENSHOTS when set.
+ui-check: setup
+	$(VENV)/bin/python -m pytest -m browser tests/browser
 
 bench: setup
 	$(VENV)/bin/python benchmarks/engine_overhead.py --steps 30 --warmup 3

@@ -78,7 +78,7 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
 
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
-    from rlpipe.engine.tracking.runs import resolve_tracking_uri
+    from rlpipe.engine.tracking.runs import resolve_tracking_uri, ui_route
     from rlpipe.progress import RunEnd, reporter
 
     config, text = load_pipeline(path, overrides)
@@ -89,12 +89,16 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
                               on_phase=progress.phase, fork=fork, extend=extend)
     finally:
         progress.close()
-    ui = None
+    ui = route = None
     if config.tracking.enabled:
         ui = f"mlflow ui --backend-store-uri {resolve_tracking_uri(config.tracking.uri)}"
+        try:
+            route = ui_route(result.run_id, config.tracking.uri)
+        except Exception:  # noqa: BLE001 - the summary must not fail on a store hiccup
+            route = None
     progress.finish(RunEnd(steps=result.steps, wall_s=time.time() - started, model_dir=result.model_dir,
                            checkpoint_dir=result.checkpoint_dir, run_id=result.run_id if config.tracking.enabled else None,
-                           ui_command=ui, reward=result.final_metrics.get("reward/mean")))
+                           ui_command=ui, reward=result.final_metrics.get("reward/mean"), ui_route=route))
     return 0
 
 

@@ -58,6 +58,8 @@ class RunEnd:
     ui_command: str | None
     reward: float | None = None
     """The last step's reward/mean."""
+    ui_route: str | None = None
+    """The UI's route to the run (``#/experiments/…``), shown after the ``mlflow ui`` address."""
 
 
 class _Base:
@@ -105,6 +107,8 @@ class _Base:
             lines.append(f"MLflow run id: {end.run_id}")
         if end.ui_command:
             lines.append(f"open it with:  {end.ui_command}")
+            if end.ui_route:
+                lines.append(f"then browse:   http://127.0.0.1:5000/{end.ui_route}")
         for line in lines:
             print(line, file=out or sys.stdout, flush=True)
 

@@ -37,6 +37,8 @@ def test_progress_lines_when_stderr_is_a_file(tmp_path):
     assert re.search(r"model: .*/out/quickstart-\w{8}/final", summary)
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in summary
     assert "MLflow run id: " in summary
+    assert re.search(r"then browse: +http://127\.0\.0\.1:5000/#/experiments/\d+/runs/\w{32}\?workflowType=machine_learning",
+                     summary)
 
 
 def test_log_reporter_every_n_steps_and_the_last():

@@ -136,3 +136,12 @@ def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> pd
         columns=["step", "value", "timestamp"],
     )
     return df.sort_values(["step", "timestamp"], kind="stable").reset_index(drop=True)
+
+
+def ui_route(run_id: str, tracking_uri: str | None = None) -> str:
+    """The MLflow UI's route to a run, in its model-training view (append to the UI's address).
+
+    MLflow 3.17's UI chooses between its GenAI and model-training views by a switch kept in
+    the browser (default GenAI); ``workflowType=machine_learning`` in the route selects training."""
+    run = client(tracking_uri).get_run(run_id)
+    return f"#/experiments/{run.info.experiment_id}/runs/{run_id}?workflowType=machine_learning"
