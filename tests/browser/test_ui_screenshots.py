@@ -11,6 +11,7 @@ import html
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def ui(inline_run):
             pytest.fail("mlflow server did not become healthy in 90 s")
         yield address
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)  # its own session: the CLI and the uvicorn it started
         server.wait(timeout=30)
 
 

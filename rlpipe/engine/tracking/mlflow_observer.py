@@ -12,7 +12,12 @@ Layout of what it writes (readable with the plain MLflow client, or with
   ``lineage/lineage.parquet`` (one row per (step, node), see
   :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
   and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
-  metrics per step plus ``timing/<node>`` (seconds).
+  metrics per step plus ``timing/<node>_s`` (seconds, summed over the step's executions);
+  browsable ``tables/trajectories.json`` and ``tables/lineage.json``
+  (:mod:`~rlpipe.engine.tracking.ui_tables`) and ``figures/*.png``
+  (:mod:`~rlpipe.engine.tracking.figures`), redrawn every ``tracking.figures_every`` steps
+  and at the end; with ``tracking.record_batches_every``, ``batches/step_XXXXXX/<node>.parquet``
+  and ``.json`` (a node's input and stage context, for ``rlpipe replay``).
 * one **trace** per executed step (:mod:`rlpipe.engine.tracking.traces`), linked to
   the parent run: a root span ``step N`` and one span per node execution with its
   recorded start and end, so the UI's trace timeline shows the step DAG (and, in the
@@ -47,7 +52,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -64,13 +68,15 @@ from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_METRICS_PER_BATCH,
-    MAX_PARAM_VAL_LENGTH,
     MAX_PARAMS_TAGS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
 )
 
 from rlpipe.engine.tracking import figures, runs, traces, ui_tables  # noqa: E402
 from rlpipe.engine.tracking.lineage import params_json, records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import chunks as _chunks  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import flatten as _flatten  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import key as _key  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
@@ -78,9 +84,6 @@ from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 log = logging.getLogger(__name__)
 
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
-_BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in keys on every OS (no colon on Windows)
-_MAX_KEY = 250
-_MAX_LIST_PARAMS = 16  # longer lists become one JSON param instead of one param per item
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 """The experiment kind MLflow 3's UI opens on its training runs (not on the GenAI overview)."""
@@ -88,37 +91,6 @@ EXPERIMENT_KIND = "custom_model_development"
 
 class TrackingError(RlpipeError):
     """MLflow tracking cannot start."""
-
-
-def _key(name: str) -> str:
-    """A valid MLflow metric/param/tag key for ``name`` (bad characters become '_')."""
-    k = _BAD_KEY_CHARS.sub("_", str(name))
-    k = re.sub(r"/+", "/", k).strip("/")  # MLflow rejects keys that normalise as paths differently
-    k = "/".join(p if p not in (".", "..") else "_" for p in k.split("/"))
-    return k[:_MAX_KEY] or "_"
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
-    """Nested dicts/lists → {"a.b.0": "value"}; long lists stay one JSON value."""
-    out: dict[str, str] = {}
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)) and obj and len(obj) <= _MAX_LIST_PARAMS:
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}.{i}" if prefix else str(i)))
-    elif prefix:
-        if isinstance(obj, (dict, list, tuple)):
-            text = json.dumps(obj, sort_keys=True, default=str)
-        else:
-            text = str(obj)
-        out[prefix] = text[:MAX_PARAM_VAL_LENGTH]
-    return out
-
-
-def _chunks(items: list, n: int):
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
 
 
 class MLflowObserver:
