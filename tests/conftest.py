@@ -128,3 +128,23 @@ def sync_run(ray_session, tmp_path_factory) -> TrackedRun:
     yaml_text = yaml.safe_dump(raw)
     result = run_pipeline(config, yaml_text)
     return TrackedRun(uri, result.run_id, result, config, workdir)
+
+
+@pytest.fixture(scope="session")
+def inline_run(tmp_path_factory) -> TrackedRun:
+    """4 quickstart steps in this process (no Ray), tracked to a fresh sqlite MLflow store; figures and
+    recorded input batches every 2 steps (steps 0 and 2)."""
+    from rlpipe.engine.planning.config_io import validate_config
+    from rlpipe.engine.runtime import run_pipeline
+
+    workdir = tmp_path_factory.mktemp("inline_run")
+    uri = f"sqlite:///{workdir}/mlflow.db"
+    raw = quickstart_raw(
+        name="inline-lineage", data={"prompts_per_step": 4},
+        trainer={"total_steps": 4, "output_dir": str(workdir / "outputs")},
+        tracking={"uri": uri, "experiment": "rlpipe-lineage", "sample_trajectories": 4, "figures_every": 2,
+                  "record_batches_every": 2},
+    )
+    config = validate_config(raw)
+    result = run_pipeline(config, yaml.safe_dump(raw), inline=True)
+    return TrackedRun(uri, result.run_id, result, config, workdir)

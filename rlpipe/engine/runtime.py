@@ -16,19 +16,21 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state import checkpoint
 from rlpipe.engine.state.data import PromptLoader
 from rlpipe.engine.execution.executor import Backend, StepExecutor
-from rlpipe.engine.tracking.lineage import trajectory_lineage
+from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.planning.plan import Plan, build_plan
+from rlpipe.engine.resume import plan_resume
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.registry import registry
 from rlpipe.errors import RlpipeError
-from rlpipe.schemas.batch import REWARD, STATUS, STATUS_FAILED
+from rlpipe.schemas.batch import PROMPT_IDS, REWARD, STATUS, STATUS_FAILED, UID
 from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,11 @@ class RunResult:
     output_dir: str
     final_metrics: dict[str, float]
     steps: int
+    """Steps this invocation ran (a resumed run counts only the steps after its checkpoint)."""
+    model_dir: str = ""
+    """The final model's folder."""
+    checkpoint_dir: str | None = None
+    """Where step checkpoints went (None: none written)."""
 
 
 class Runtime:
@@ -59,13 +66,16 @@ class Runtime:
         self.on_step = on_step
         self.start_step = 0
         self.output_dir = str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
-        self.loader = PromptLoader(config.data, build_tokenizer(config.tokenizer), config.seed)
+        self.tokenizer = build_tokenizer(config.tokenizer)
+        self.loader = PromptLoader(config.data, self.tokenizer, config.seed)
         self.backend = backend
         self.workers = backend.workers
-        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed)
+        record = config.tracking.record_batches_every if config.tracking.enabled else 0
+        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed, record)
         self.last_metrics: dict[str, float] = {}
         self.failed_steps: list[int] = []
         """The current run of consecutive steps whose every row failed (trainer.max_failed_steps)."""
+        self.steps_run = 0
         self._initial_sync()
 
     def _initial_sync(self) -> None:
@@ -80,10 +90,15 @@ class Runtime:
         headline = {**metrics, **self._reward_headline(step, table)}
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
-        sample = table.slice(0, self.config.tracking.sample_trajectories) if self.config.tracking.sample_trajectories else None
-        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step))
+        sample = self._sample(table)
+        replicas = self.executor.replica_of
+        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step, replicas))
+        if UID in table.column_names:
+            for uid in pc.unique(table.column(UID)).to_pylist():
+                replicas.pop(uid, None)
         self.last_metrics = headline
         self._check_failed_steps(step)
+        self.steps_run += 1
         if self._due(self.config.trainer.save_every, step):
             self.save_model(f"step_{step + 1}")
         if self._due(self.config.trainer.checkpoint_every, step):
@@ -118,6 +133,16 @@ class Runtime:
                 "infrastructure failure (status 'failed', see reward/infra_failures); fix the failing service (e.g. "
                 "the reward sandbox) and resume, or raise trainer.max_failed_steps (0 disables this check)"
             )
+    def _sample(self, table: pa.Table) -> pa.Table | None:
+        """The trajectories shown in MLflow, with their prompts decoded (a few rows: cheap on the driver)."""
+        n = self.config.tracking.sample_trajectories
+        if not n:
+            return None
+        sample = table.slice(0, n)
+        if PROMPT_IDS in sample.column_names and PROMPT_TEXT not in sample.column_names:
+            texts = self.tokenizer.batch_decode(sample.column(PROMPT_IDS).to_pylist(), skip_special_tokens=True)
+            sample = sample.append_column(PROMPT_TEXT, pa.array(texts, pa.string()))
+        return sample
 
     def _due(self, every: int, step: int) -> bool:
         """Every ``every`` steps (0 = never), except after the last step (the end of the run handles it)."""
@@ -130,27 +155,35 @@ class Runtime:
         return path
 
 
-def make_observer(config: PipelineConfig, resume_run_id: str | None = None) -> Observer:
+def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
+                  tags: dict[str, str] | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
     from rlpipe.engine.tracking.background_observer import BackgroundObserver
     from rlpipe.engine.tracking.mlflow_observer import MLflowObserver
 
-    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id))
+    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id, tags=tags))
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
                  on_step: Callable[[int, dict[str, float]], None] | None = None,
                  observer: Observer | None = None, inline: bool = False,
-                 resume_from: str | None = None) -> RunResult:
+                 resume_from: str | None = None, on_phase: Callable[[str], None] | None = None,
+                 fork: bool = False, extend: bool = False) -> RunResult:
     """Plan, start, run every step, save the final model; returns where things are.
 
     ``inline=True`` runs every stage in this process (no Ray): for benchmarks and tests.
-    ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every).
+    ``resume_from`` continues from a checkpoint folder (trainer.checkpoint_every); a finished run
+    only with ``fork`` (a new run linked to it) or ``extend`` (more steps, same run): see rlpipe.engine.resume.
+    ``on_phase(name)`` is told when each start-up phase begins (starting Ray, building workers,
+    loading the model, the first step ...); the first ``on_step`` call ends the last one.
     """
+    phase = on_phase or (lambda name: None)
     plan = build_plan(config)
-    resumed = checkpoint.read_engine_state(resume_from, config) if resume_from else None
-    observer = observer or make_observer(config, resumed["run_id"] if resumed else None)
+    resume = plan_resume(config, resume_from, fork, extend) if resume_from else None
+    resumed = resume.state if resume else None
+    phase("starting MLflow tracking" if config.tracking.enabled else "planning")
+    observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None
     started = time.time()
@@ -158,16 +191,25 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         mode_cls = registry("mode").get(config.mode)
         roles = set(ALWAYS_ROLES) | plan.roles() | mode_cls.roles(config)
         if inline:
+            phase("building workers in this process")
             backend = InlineBackend(config, roles)
         else:
+            phase("starting Ray")
             init_ray(config.resources.ray_address, config.resources.num_cpus)
+            phase(f"building workers ({', '.join(sorted(roles))})")
             backend = RayBackend.start(config, roles)
+        phase("loading data and the first weight sync")
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
         if resumed:
+            phase("restoring the checkpoint")
             checkpoint.restore(runtime, resume_from, resumed)
         mode = mode_cls(runtime, plan.mode_params)
+        phase(f"step {runtime.start_step} (the first: warm-up)")
         mode.run()
-        runtime.save_model("final")
+        phase("saving the final model")
+        model_dir = runtime.save_model("final")
+        if config.trainer.checkpoint_every:  # what --extend continues from
+            checkpoint.save(runtime, config.trainer.total_steps)
     except KeyboardInterrupt:
         observer.on_run_end("KILLED", "interrupted")
         raise
@@ -179,4 +221,6 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
             backend.shutdown()
     observer.on_run_end("FINISHED")
     log.info("run %s finished in %.1fs", run_id, time.time() - started)
-    return RunResult(run_id, runtime.output_dir, runtime.last_metrics, config.trainer.total_steps)
+    checkpoints = Path(runtime.output_dir) / "checkpoints"
+    return RunResult(run_id, runtime.output_dir, runtime.last_metrics, runtime.steps_run, model_dir,
+                     str(checkpoints.resolve()) if checkpoints.is_dir() else None)

@@ -25,7 +25,7 @@ from rlpipe.errors import ConfigError, PlanError
 from rlpipe.modes.base import Mode
 from rlpipe.modes.sync import check_batch_arithmetic
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import SAMPLE_INDEX
+from rlpipe.schemas.batch import SAMPLE_INDEX, UID
 from rlpipe.stage import StageContext, StageParams
 from rlpipe.stages.algos.batch_io import groups_by_appearance
 from rlpipe.stages.generate import generation_seed
@@ -144,6 +144,7 @@ class AsyncMode(Mode):
         pending = self.sampler("next_pending", ALL_PENDING)
         for replica, rows in enumerate(np.array_split(np.arange(pending.num_rows), self.replicas)):
             if len(rows):
+                self.runtime.executor.note_replicas(pending.column(UID).take(pa.array(rows)).to_pylist(), replica)
                 seed = generation_seed(StageContext(step=step, seed=self.runtime.config.seed, dp_rank=replica))
                 self.runtime.workers.call("rollout", "service_submit", pending.take(pa.array(rows)),
                                           self.gen_params, seed, rank=replica)

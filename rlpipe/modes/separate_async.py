@@ -118,9 +118,10 @@ class SeparateAsyncMode(AsyncMode):
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, BaseException) else exc) from None
         nodes = {node.name: node for node in [self.generate_node, *self.head]}
-        for report in reports:
+        for replica, report in enumerate(reports):
             for record in report["records"]:
-                self.runtime.executor.record_external(step, nodes[record.pop("node")], **record)
+                self.runtime.executor.record_external(step, nodes[record.pop("node")], worker=f"rollout[{replica}]",
+                                                      **record)
         return [report["stats"] for report in reports]
 
     def rollout_report(self, step: int):

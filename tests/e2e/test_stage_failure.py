@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlpipe.engine.tracking import runs
+from rlpipe.engine.tracking import runs, traces
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import StageError
@@ -46,11 +46,20 @@ def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_pa
     client = MlflowClient(uri)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [0]
     lineage = runs.lineage_table(run.info.run_id, uri).to_pylist()
-    # all 7 nodes of step 0 and the 6 nodes of step 1 that ran before the failure
+    # all 7 nodes of step 0, the 6 nodes of step 1 that ran before the failure, and the failure itself
     assert [r["step"] for r in lineage].count(0) == 7
     assert [r["node"] for r in lineage if r["step"] == 1] == [
-        "generate", "reward", "balance", "old_log_prob", "advantage", "update",
+        "generate", "reward", "balance", "old_log_prob", "advantage", "update", "weight_sync",
     ]
+    failed = lineage[-1]
+    assert "transport to the rollout engine lost" in failed["error"] and failed["output_fingerprint"] == ""
+    assert all(not r["error"] for r in lineage[:-1])
+    # the failed step is a trace too, its last span in error
+    step_traces = traces.step_traces(run.info.experiment_id, run.info.run_id, uri)
+    assert sorted(step_traces) == [0, 1] and step_traces[1].info.state.value == "ERROR"
+    last = max(step_traces[1].data.spans, key=lambda s: s.start_time_ns)
+    assert last.name == "weight_sync" and last.status.status_code == "ERROR"
+    assert "transport to the rollout engine lost" in last.attributes["rlpipe.error"]
 
 
 def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(ray_session, tmp_path):

@@ -142,6 +142,9 @@ def test_trajectory_lineage_per_row():
     assert d["min_version"] == [2, 3, None, 4, None, 1]
     assert d["max_version"] == [3, 3, None, 4, None, 5]
     assert d["versions_spanned"] == [2, 1, 0, 1, 0, 3]
+    assert d["replica"] == [None] * 6
+    with_replicas = trajectory_lineage(t, step=7, replicas={"p0": 1, "p2": 0, "other": 3})
+    assert with_replicas.column("replica").to_pylist() == [1, 1, None, None, 0, 0]
 
 
 def test_trajectory_lineage_without_optional_columns():

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from rlpipe.engine.tracking import runs  # noqa: E402
-from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash  # noqa: E402
+from rlpipe.engine.tracking import runs, traces  # noqa: E402
+from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash, trajectory_lineage  # noqa: E402
 from rlpipe.engine.tracking.mlflow_observer import MLflowObserver, TrackingError  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
@@ -52,7 +52,8 @@ def feed(obs: MLflowObserver, run_id: str, steps, nodes=NODES, step_end: bool = 
         for node, kind, impl in nodes:
             obs.on_node_end(node_record(run_id, step, node, kind, impl))
         if step_end:
-            obs.on_step_end(step, {"reward/mean": 0.1 * step, "step": step}, trajectories(step))
+            obs.on_step_end(step, {"reward/mean": 0.1 * step, "step": step, "timing/reward_s": 0.01},
+                            trajectories(step), trajectory_lineage(trajectories(step), step))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,57 @@ def test_parent_run(finished):
     assert run.info.artifact_uri.startswith(str(root))  # artifacts next to the sqlite file
     hist = client.get_metric_history(run_id, "reward/mean")
     assert [(m.step, m.value) for m in sorted(hist, key=lambda m: m.step)] == [(0, 0.0), (1, 0.1)]
-    assert {m.step for m in client.get_metric_history(run_id, "timing/reward")} == {0, 1}
+    timing = client.get_metric_history(run_id, "timing/reward_s")  # one timing metric per node: the records' sum
+    assert [round(m.value, 6) for m in sorted(timing, key=lambda m: m.step)] == [0.7, 0.7]
+    assert not any(k.startswith("timing/") and not k.endswith("_s") for k in run.data.metrics)
+
+
+def test_experiment_opens_on_training_runs(finished):
+    obs, _, client, _ = finished
+    assert client.get_experiment(obs.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_each_step_is_a_trace_of_its_node_executions(finished):
+    obs, run_id, client, _ = finished
+    found = traces.step_traces(obs.experiment_id, run_id, obs.tracking_uri)
+    assert sorted(found) == [0, 1]
+    for step, trace in found.items():
+        assert trace.info.request_metadata["mlflow.sourceRun"] == run_id  # linked to the run
+        assert trace.info.tags["rlpipe.run_id"] == run_id and trace.info.state.value == "OK"
+        root = next(s for s in trace.data.spans if s.parent_id is None)
+        spans = [s for s in trace.data.spans if s.parent_id is not None]
+        assert root.name == f"step {step}" and [s.name for s in spans] == [n for n, _, _ in NODES]
+        assert root.start_time_ns <= min(s.start_time_ns for s in spans)
+        assert root.end_time_ns >= max(s.end_time_ns for s in spans)
+        for span, (node, kind, impl) in zip(spans, NODES):
+            a = span.attributes
+            assert (a["rlpipe.kind"], a["rlpipe.impl"], a["rlpipe.rows_out"]) == (kind, impl, 4)
+            assert a["rlpipe.output_fingerprint"] == fingerprint(trajectories(step))
+            assert a["rlpipe.policy_versions"] == [step] and a["rlpipe.trainer_version"] == step
+            assert a[f"rlpipe.metric.{kind}/loss"] == 0.5 + step
+            assert "rlpipe.worker" in a and "rlpipe.error" not in a
+            assert abs((span.end_time_ns - span.start_time_ns) / 1e9 - a["rlpipe.duration_s"]) < 1e-3
+        assert spans[0].span_type == "LLM" and spans[1].span_type == "EVALUATOR"
+
+
+def test_trajectories_and_lineage_are_tables_the_ui_renders(finished):
+    obs, run_id, client, _ = finished
+    logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "tables/trajectories.json", "type": "table"} in logged
+    assert {"path": "tables/lineage.json", "type": "table"} in logged
+    traj = client.load_table(obs.experiment_id, "tables/trajectories.json", run_ids=[run_id])
+    assert len(traj) == 6 and traj["step"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert {"prompt", "response", "reward", "advantage", "min_version", "max_version", "status"} <= set(traj.columns)
+    assert traj["reward"].tolist()[:3] == [1.0, 0.0, 0.5] and traj["max_version"].tolist()[3:] == [1, 1, 1]
+    lineage = client.load_table(obs.experiment_id, "tables/lineage.json", run_ids=[run_id])
+    assert lineage[["step", "node"]].values.tolist() == [[s, n] for s in (0, 1) for n, _, _ in NODES]
+    assert set(lineage["output_fingerprint"]) == {fingerprint(trajectories(s))[:12] for s in (0, 1)}
+
+
+def test_figures(finished):
+    _, run_id, client, _ = finished
+    assert {f.path for f in client.list_artifacts(run_id, "figures")} == {
+        "figures/reward.png", "figures/stage_time.png", "figures/staleness.png", "figures/token_versions.png"}
 
 
 def test_node_runs(finished):
@@ -188,6 +239,9 @@ def test_failed_run_keeps_everything_then_resumes(store, tmp_path):
     lineage = runs.lineage_table(run_id, uri)
     assert lineage.num_rows == 5  # step 1's records arrived without a step end: still persisted
     assert len(client.get_metric_history(children["reward"].info.run_id, "duration_s")) == 2
+    failed = traces.step_traces(obs.experiment_id, run_id, uri)
+    assert sorted(failed) == [0, 1] and failed[0].info.state.value == "OK"
+    assert failed[1].info.state.value == "ERROR"  # the step that died still shows on the timeline
 
     # Resume from the step-1 checkpoint: same MLflow runs, step 1 re-executed and its rows replaced.
     obs2 = MLflowObserver(cfg, "crashy", resume_run_id=run_id)

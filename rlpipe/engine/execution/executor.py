@@ -20,11 +20,13 @@ from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
-from rlpipe.schemas.batch import DP_RANK
+from rlpipe.schemas.batch import DP_RANK, UID
 from rlpipe.engine.stage_call import apply_result, as_array
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
+
+_MAX_REPLICA_NOTES = 1 << 20
 
 
 class Backend(Protocol):
@@ -47,7 +49,8 @@ class Backend(Protocol):
 class StepExecutor:
     """Runs nodes of a plan; one instance per pipeline run."""
 
-    def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int):
+    def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int,
+                 record_batches_every: int = 0):
         self.plan = plan
         self.backend = backend
         self.observer = observer
@@ -63,6 +66,17 @@ class StepExecutor:
         """Mode hooks called before each node (e.g. release the rollout engine before the update)."""
         self.after_node: list[Callable[[PlannedNode, int], None]] = []
         """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
+        self.record_batches_every = record_batches_every
+        """Every N steps, hand each node's input batch and context to the observer (for replay); 0 = never."""
+        self.replica_of: dict[str, int] = {}
+        """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
+
+    def note_replicas(self, uids: list[str], replica: int) -> None:
+        """Remember that rollout replica ``replica`` generates the prompts ``uids``."""
+        if len(self.replica_of) > _MAX_REPLICA_NOTES:  # groups never consumed (evicted, dropped): forget the oldest
+            for uid in list(self.replica_of)[: _MAX_REPLICA_NOTES // 2]:
+                del self.replica_of[uid]
+        self.replica_of.update(dict.fromkeys(uids, replica))
 
     @property
     def dp_size(self) -> int:
@@ -85,18 +99,17 @@ class StepExecutor:
                            carry=dict(self.carry.get(node.name, {})))
         for hook in self.before_node:
             hook(node, step)
+        self._record_input(step, node, table, ctx)
         start = time.time()
         try:
             result = self._dispatch(node, table, ctx)
             out = apply_result(node, table, result)
-        except StageError:
-            raise
         except Exception as exc:
-            # Ray wraps a remote error; its `cause` is the original (often our StageError).
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, StageError):
-                raise cause from None
-            raise StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc) from exc
+            error = _stage_error(node, step, exc)
+            self._record_failure(step, node, table, input_fp, start, error)
+            if error is exc:
+                raise
+            raise error from (None if error is getattr(exc, "cause", None) else exc)
         duration = time.time() - start
         if result.carry:
             self.carry[node.name] = dict(result.carry)
@@ -118,9 +131,32 @@ class StepExecutor:
         self.record_external(step, node, **fields)
         return fields["output_fingerprint"]
 
+    def _record_input(self, step: int, node: PlannedNode, table: pa.Table, ctx: StageContext) -> None:
+        every = self.record_batches_every
+        on_node_input = getattr(self.observer, "on_node_input", None)
+        if not every or step % every or on_node_input is None:
+            return
+        on_node_input(step, node.name, table, {"step": ctx.step, "seed": ctx.seed, "policy_version": ctx.policy_version,
+                                               "dp_size": ctx.dp_size, "extras": ctx.extras, "carry": ctx.carry})
+
+    def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str, start: float,
+                        error: BaseException) -> None:
+        """The lineage of a failed execution: its input and the error (the trace shows it in red)."""
+        self.record_external(step, node, input_fingerprint=input_fp, output_fingerprint="", rows_in=table_in.num_rows,
+                             rows_out=0, policy_versions=[], start_time=start, duration_s=time.time() - start,
+                             metrics={}, error=f"{type(error).__name__}: {error}")
+
+    def where(self, node: PlannedNode) -> str:
+        """Where a node runs, for its lineage: ``task``, ``driver`` or ``<role>×<replicas>``."""
+        spec = node.spec
+        if spec.placement != "worker":
+            return spec.placement
+        return f"{spec.role}×{self.backend.group_size(spec.role)}"
+
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,
-                        duration_s: float, metrics: dict[str, float]) -> None:
+                        duration_s: float, metrics: dict[str, float], worker: str | None = None,
+                        error: str = "") -> None:
         """Hand the observer a node execution that another process ran and fingerprinted
         (separate_async's rollout replicas score their own groups)."""
         self.observer.on_node_end(NodeRecord(
@@ -129,6 +165,7 @@ class StepExecutor:
             input_fingerprint=input_fingerprint, output_fingerprint=output_fingerprint,
             rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
             trainer_version=self.policy_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
+            worker=worker if worker is not None else self.where(node), error=error,
         ))
 
     def _dispatch(self, node: PlannedNode, table: pa.Table, ctx: StageContext) -> StageResult:
@@ -139,10 +176,23 @@ class StepExecutor:
         if spec.placement == "driver":
             return spec.fn(table, node.params, dataclasses.replace(ctx, workers=self.backend.workers))
         shards = self.backend.shards(spec.role, table, DP_RANK)
+        if spec.role == "rollout" and spec.creates_rows and UID in table.column_names:
+            for replica, rows in enumerate(shards):
+                self.note_replicas(table.column(UID).take(pa.array(rows)).to_pylist(), replica)
         tables = [_rows(table, rows) for rows in shards]
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
         results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs)
         return merge_results(results, shards, spec.creates_rows)
+
+
+def _stage_error(node: PlannedNode, step: int, exc: Exception) -> StageError:
+    """The StageError of a failed node: its own, the one a Ray error wraps, or a new one naming kind, impl, step."""
+    if isinstance(exc, StageError):
+        return exc
+    cause = getattr(exc, "cause", None)  # Ray wraps a remote error; its `cause` is the original
+    if isinstance(cause, StageError):
+        return cause
+    return StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc)
 
 
 def _rows(table: pa.Table, rows: np.ndarray) -> pa.Table:

@@ -46,6 +46,10 @@ class BackgroundObserver:
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         self._queue.put(("on_artifact", (local_path, artifact_path)))
 
+    def on_node_input(self, step: int, node: str, table: Any, context: dict[str, Any]) -> None:
+        if hasattr(self.inner, "on_node_input"):  # Arrow tables are immutable: safe to write from the thread
+            self._queue.put(("on_node_input", (step, node, table, dict(context))))
+
     def on_run_end(self, status: str, error: str | None = None) -> None:
         if self._thread is not None:
             self._queue.put(_STOP)

@@ -38,6 +38,9 @@ from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.errors import BatchError
 from rlpipe.schemas import batch as B
 
+PROMPT_TEXT = "prompt_text"
+"""Column the runtime adds to the trajectories it samples for MLflow: the decoded prompt."""
+
 _DIGEST_SIZE = 16  # 128 bits: collisions are not a concern for lineage, short hex is
 
 # ---------------------------------------------------------------------------
@@ -216,6 +219,8 @@ LINEAGE_SCHEMA = pa.schema(
         pa.field("start_time", pa.float64()),  # seconds since the epoch
         pa.field("duration_s", pa.float64()),
         pa.field("metrics", pa.string()),  # JSON object of float metrics
+        pa.field("worker", pa.string()),
+        pa.field("error", pa.string()),
     ]
 )
 """Schema of the lineage table: the fields of NodeRecord, params and metrics as JSON text."""
@@ -237,10 +242,12 @@ def records_to_table(records: Iterable[NodeRecord]) -> pa.Table:
 def table_to_records(table: pa.Table) -> list[NodeRecord]:
     """Inverse of :func:`records_to_table` (used to continue the lineage of a resumed run)."""
     out = []
-    for d in table.select(LINEAGE_SCHEMA.names).to_pylist():
+    names = [n for n in LINEAGE_SCHEMA.names if n in table.column_names]  # tables of older runs lack newer fields
+    for d in table.select(names).to_pylist():
         for k in _JSON_FIELDS:
             d[k] = json.loads(d[k]) if d[k] else {}
         d["policy_versions"] = d["policy_versions"] or []
+        d["worker"], d["error"] = d.get("worker") or "", d.get("error") or ""
         out.append(NodeRecord(**d))
     return out
 
@@ -258,18 +265,31 @@ TRAJECTORY_LINEAGE_SCHEMA = pa.schema(
         pa.field("min_version", pa.int32()),
         pa.field("max_version", pa.int32()),
         pa.field("versions_spanned", pa.int32()),
+        pa.field("replica", pa.int32()),
     ]
 )
-"""Schema of :func:`trajectory_lineage`; version columns are null for rows without stamped tokens."""
+"""Schema of :func:`trajectory_lineage`; version columns are null for rows without stamped tokens,
+``replica`` where the rollout replica is unknown."""
 
 
-def trajectory_lineage(table: pa.Table, step: int) -> pa.Table:
+def _replicas(table: pa.Table, replicas: dict[str, int] | None) -> pa.Array:
+    """The rollout replica of each row from a uid → replica map (looked up once per distinct uid)."""
+    n = table.num_rows
+    if not replicas or B.UID not in table.column_names or not n:
+        return pa.nulls(n, pa.int32())
+    uids = _combined(table.column(B.UID))
+    keys = pc.unique(uids).drop_null()
+    values = pa.array([replicas.get(u) for u in keys.to_pylist()], pa.int32())
+    return pc.take(values, pc.index_in(uids, value_set=keys))
+
+
+def trajectory_lineage(table: pa.Table, step: int, replicas: dict[str, int] | None = None) -> pa.Table:
     """Per trajectory: uid, sample_index, prompt_step, the step consuming it, and its token versions.
 
     ``versions_spanned`` is the number of distinct policy versions among the
     row's tokens (1 for a trajectory generated under one policy; more when a
     weight push happened mid-generation). Columns missing from ``table`` come
-    out null.
+    out null. ``replicas`` maps a prompt uid to the rollout replica that generated it.
     """
     n = table.num_rows
     names = table.column_names
@@ -310,6 +330,7 @@ def trajectory_lineage(table: pa.Table, step: int) -> pa.Table:
             pa.array(vmin, mask=missing),
             pa.array(vmax, mask=missing),
             pa.array(spanned),
+            _replicas(table, replicas),
         ],
         schema=TRAJECTORY_LINEAGE_SCHEMA,
     )

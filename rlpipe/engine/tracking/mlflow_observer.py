@@ -12,7 +12,17 @@ Layout of what it writes (readable with the plain MLflow client, or with
   ``lineage/lineage.parquet`` (one row per (step, node), see
   :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
   and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
-  metrics per step plus ``timing/<node>`` (seconds).
+  metrics per step plus ``timing/<node>_s`` (seconds, summed over the step's executions);
+  browsable ``tables/trajectories.json`` and ``tables/lineage.json``
+  (:mod:`~rlpipe.engine.tracking.ui_tables`) and ``figures/*.png``
+  (:mod:`~rlpipe.engine.tracking.figures`), redrawn every ``tracking.figures_every`` steps
+  and at the end; with ``tracking.record_batches_every``, ``batches/step_XXXXXX/<node>.parquet``
+  and ``.json`` (a node's input and stage context, for ``rlpipe replay``).
+* one **trace** per executed step (:mod:`rlpipe.engine.tracking.traces`), linked to
+  the parent run: a root span ``step N`` and one span per node execution with its
+  recorded start and end, so the UI's trace timeline shows the step DAG (and, in the
+  async modes, generation overlapping training). The experiment is tagged
+  ``mlflow.experimentKind = custom_model_development`` so the UI opens on its runs.
 * one **child run** per DAG node (nested through ``mlflow.parentRunId``, tag
   ``rlpipe.role = node``), created on the node's first record, tagged
   ``rlpipe.kind / impl / node / code_hash / params_hash``, with the impl params
@@ -42,7 +52,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -53,18 +62,21 @@ from typing import Any
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
 
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
     MAX_METRICS_PER_BATCH,
-    MAX_PARAM_VAL_LENGTH,
     MAX_PARAMS_TAGS_PER_BATCH,
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlpipe.engine.tracking import runs  # noqa: E402
-from rlpipe.engine.tracking.lineage import records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking import figures, runs, traces, ui_tables  # noqa: E402
+from rlpipe.engine.tracking.lineage import params_json, records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import chunks as _chunks  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import flatten as _flatten  # noqa: E402
+from rlpipe.engine.tracking.mlflow_names import key as _key  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.errors import RlpipeError  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
@@ -72,51 +84,23 @@ from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 log = logging.getLogger(__name__)
 
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
-_BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # what MLflow accepts in keys on every OS (no colon on Windows)
-_MAX_KEY = 250
-_MAX_LIST_PARAMS = 16  # longer lists become one JSON param instead of one param per item
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""The experiment kind MLflow 3's UI opens on its training runs (not on the GenAI overview)."""
 
 
 class TrackingError(RlpipeError):
     """MLflow tracking cannot start."""
 
 
-def _key(name: str) -> str:
-    """A valid MLflow metric/param/tag key for ``name`` (bad characters become '_')."""
-    k = _BAD_KEY_CHARS.sub("_", str(name))
-    k = re.sub(r"/+", "/", k).strip("/")  # MLflow rejects keys that normalise as paths differently
-    k = "/".join(p if p not in (".", "..") else "_" for p in k.split("/"))
-    return k[:_MAX_KEY] or "_"
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
-    """Nested dicts/lists → {"a.b.0": "value"}; long lists stay one JSON value."""
-    out: dict[str, str] = {}
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(obj, (list, tuple)) and obj and len(obj) <= _MAX_LIST_PARAMS:
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}.{i}" if prefix else str(i)))
-    elif prefix:
-        if isinstance(obj, (dict, list, tuple)):
-            text = json.dumps(obj, sort_keys=True, default=str)
-        else:
-            text = str(obj)
-        out[prefix] = text[:MAX_PARAM_VAL_LENGTH]
-    return out
-
-
-def _chunks(items: list, n: int):
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
 class MLflowObserver:
     """An :class:`rlpipe.engine.tracking.observer.Observer` that writes to MLflow (layout in the module docstring)."""
 
-    def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None):
+    def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None,
+                 tags: dict[str, str] | None = None):
         self.tracking = tracking
+        self.tags = dict(tags or {})
+        """Extra tags on the parent run (e.g. rlpipe.forked_from)."""
         self.run_name = run_name
         self.resume_run_id = resume_run_id
         self.tracking_uri = runs.resolve_tracking_uri(tracking.uri)
@@ -133,6 +117,10 @@ class MLflowObserver:
         self._records: dict[int, dict[tuple[str, float], NodeRecord]] = {}
         self._trajectory_lineage: list[pa.Table] = []
         self._earlier_attempt: set[int] = set()  # steps whose records come from before a resume
+        self._traced: set[int] = set()  # steps logged as an MLflow trace
+        self._resumed_lineage_steps: set[int] = set()  # consuming steps of trajectory lineage from before a resume
+        self._rewards: dict[int, float] = {}  # reward/mean per step, for the figures
+        self._trajectory_rows: list[dict] = []  # the browsable trajectories table
         self._lineage_dirty = False
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
@@ -144,11 +132,14 @@ class MLflowObserver:
         with self._lock:
             try:
                 self.client = MlflowClient(tracking_uri=self.tracking_uri)
+                traces.use_store(self.tracking_uri)
                 self.experiment_id = self._experiment()
                 if self.resume_run_id:
                     self._resume(self.resume_run_id)
+                    for k, v in self.tags.items():
+                        self.client.set_tag(self.run_id, k, v)
                 else:
-                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary)}
+                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary), **self.tags}
                     run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
                     self.run_id = run.info.run_id
                     params = [Param(_key(k), v) for k, v in _flatten(config).items()]
@@ -175,6 +166,7 @@ class MLflowObserver:
                 return
             if record.step in self._earlier_attempt:  # a resumed run re-runs this step: its records replace the old
                 self._earlier_attempt.discard(record.step)
+                self._traced.discard(record.step)
                 self._records.pop(record.step, None)
             self._records.setdefault(record.step, {})[(record.node, record.start_time)] = record
             self._lineage_dirty = True
@@ -186,12 +178,21 @@ class MLflowObserver:
             if not self._accepting("on_step_end"):
                 return
             self._guard(f"logging step {step} metrics", self._log_step_metrics, step, metrics)
+            self._guard(f"logging step {step} trace", self._log_trace, step, "")
             if trajectories is not None and self.tracking.sample_trajectories:
                 self._guard(f"logging step {step} trajectories", self._log_trajectories, step, trajectories)
             if trajectory_lineage is not None:
+                if step in self._resumed_lineage_steps:  # this step ran before a resume: its new rows replace the old
+                    self._resumed_lineage_steps.discard(step)
+                    self._trajectory_lineage = [t.filter(pc.not_equal(t.column("consumed_step"), step))
+                                                for t in self._trajectory_lineage]
+                    self._trajectory_rows = [r for r in self._trajectory_rows if r["step"] != step]
                 self._trajectory_lineage.append(trajectory_lineage)
                 self._guard("writing the trajectory lineage", self._write_trajectory_lineage)
             self._guard("writing the lineage table", self._write_lineage)
+            every = self.tracking.figures_every
+            if every and (step + 1) % every == 0:
+                self._guard("drawing the figures and tables", self._write_views)
 
     def _write_trajectory_lineage(self) -> None:
         """Every consumed trajectory: its versions and the step that consumed it (``lineage/trajectories.parquet``)."""
@@ -211,6 +212,27 @@ class MLflowObserver:
                 return
             self._guard(f"logging artifact {local_path}", self._log_artifact, Path(local_path), artifact_path)
 
+    def on_node_input(self, step: int, node: str, table: pa.Table, context: dict[str, Any]) -> None:
+        """``batches/step_<S>/<node>.parquet`` and ``.json`` (the stage context): what ``rlpipe replay`` re-runs."""
+        with self._lock:
+            if not self._accepting("on_node_input"):
+                return
+            self._guard(f"recording the input of {node!r} at step {step}", self._log_node_input, step, node, table,
+                        context)
+
+    def _log_node_input(self, step: int, node: str, table: pa.Table, context: dict[str, Any]) -> None:
+        folder = self._tmp / "batches"
+        folder.mkdir(exist_ok=True)
+        name = _key(node).replace("/", "_")
+        dest = f"{runs.BATCHES_DIR}/step_{step:06d}"
+        parquet, context_file = folder / f"{name}.parquet", folder / f"{name}.json"
+        # non-compliant nesting keeps list children named "item": the batch reads back with its exact types
+        pq.write_table(table, parquet, use_compliant_nested_type=False)
+        context_file.write_text(params_json(context))
+        for path in (parquet, context_file):
+            self.client.log_artifact(self.run_id, str(path), dest)
+            path.unlink()
+
     def on_run_end(self, status: str, error: str | None = None) -> None:
         with self._lock:
             if self._ended or self.run_id is None:
@@ -220,6 +242,11 @@ class MLflowObserver:
                 log.warning("unknown run status %r; recording FAILED", status)
                 status = "FAILED"
             self._guard("writing the lineage table", self._write_lineage)
+            for step in sorted(set(self._records) - self._traced - self._earlier_attempt):
+                # steps without a step end: the one that failed, or one cut short
+                self._guard(f"logging step {step} trace", self._log_trace, step, error or f"run ended {status}")
+            self._guard("writing the traces", traces.flush)
+            self._guard("drawing the figures and tables", self._write_views)
             if error:
                 self._guard("recording the error", self._log_error, error)
             end = int(time.time() * 1000)
@@ -239,9 +266,12 @@ class MLflowObserver:
                     f"MLflow experiment {name!r} at {self.tracking_uri} is deleted; restore it "
                     f"(`mlflow experiments restore`) or set tracking.experiment to another name"
                 )
+            if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment without a kind opens on the GenAI overview
+                self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return exp.experiment_id
         try:
-            return self.client.create_experiment(name, artifact_location=self._artifact_location(name))
+            return self.client.create_experiment(name, artifact_location=self._artifact_location(name),
+                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except Exception:
             exp = self.client.get_experiment_by_name(name)  # another process created it meanwhile
             if exp is None:
@@ -278,6 +308,7 @@ class MLflowObserver:
             self._node_runs[node] = child.info.run_id
             self._node_hash[node] = child.data.tags.get("rlpipe.params_hash", "")
             self.client.update_run(child.info.run_id, status="RUNNING")
+        self._rewards = {int(m.step): m.value for m in self.client.get_metric_history(run_id, "reward/mean")}
         try:
             table = runs.lineage_table(run_id, self.tracking_uri)
         except runs.RunNotFoundError:
@@ -285,6 +316,14 @@ class MLflowObserver:
         for r in table_to_records(table):
             self._records.setdefault(r.step, {})[(r.node, r.start_time)] = r
         self._earlier_attempt = set(self._records)
+        self._traced = set(self._records)  # their traces exist; a step run again gets a new one
+        try:
+            earlier = runs.trajectory_lineage_table(run_id, self.tracking_uri)
+        except runs.RunNotFoundError:
+            return
+        self._trajectory_lineage = [earlier]
+        self._resumed_lineage_steps = set(earlier.column("consumed_step").to_pylist())
+        self._trajectory_rows = runs.table_rows(run_id, ui_tables.TRAJECTORIES_TABLE, self.tracking_uri)
 
     # -- per node / per step -------------------------------------------------------------------
 
@@ -355,12 +394,16 @@ class MLflowObserver:
                 values[_key(k)] = float(v)
             except (TypeError, ValueError):
                 log.debug("step metric %r is not a number (%r); skipped", k, v)
+        timing: dict[str, float] = {}
         for r in self._records.get(step, {}).values():
-            key = _key(f"timing/{r.node}")
-            values[key] = values.get(key, 0.0) + float(r.duration_s)  # summed over repeated runs
+            key = _key(f"timing/{r.node}_s")
+            timing[key] = timing.get(key, 0.0) + float(r.duration_s)  # summed over repeated runs
             # Headline fallback: the reward stage's own mean when the engine did not pass one.
             if "reward/mean" in r.metrics:
                 values.setdefault("reward/mean", float(r.metrics["reward/mean"]))
+        values.update(timing)  # the records' sum replaces the executor's last-execution figure: one metric per node
+        if "reward/mean" in values:
+            self._rewards[step] = values["reward/mean"]
         self._log_metrics(self.run_id, values, step, int(time.time() * 1000))
 
     def _log_trajectories(self, step: int, trajectories: Any) -> None:
@@ -375,6 +418,28 @@ class MLflowObserver:
         pq.write_table(table, path)
         self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
         path.unlink()
+        self._trajectory_rows.extend(ui_tables.trajectory_rows(step, table))
+        del self._trajectory_rows[: -ui_tables.MAX_TRAJECTORY_ROWS]
+
+    def _log_trace(self, step: int, error: str) -> None:
+        if step in self._traced or not self._records.get(step):
+            return
+        self._traced.add(step)
+        traces.log_step_trace(self.client, self.experiment_id, self.run_id, step, self._records[step].values(), error)
+
+    def _write_views(self) -> None:
+        """Figures (figures/*.png) and the browsable tables (tables/*.json) from what the run has so far."""
+        records = [r for step in sorted(self._records) for r in self._records[step].values()]
+        folder = self._tmp / "tables"
+        folder.mkdir(exist_ok=True)
+        if self._trajectory_rows:
+            ui_tables.write_table(self.client, self.run_id, self._trajectory_rows, ui_tables.TRAJECTORIES_TABLE, folder)
+        if records:
+            ui_tables.write_table(self.client, self.run_id, ui_tables.lineage_rows(records), ui_tables.LINEAGE_TABLE,
+                                  folder)
+        lineage = pa.concat_tables(self._trajectory_lineage) if self._trajectory_lineage else None
+        by_step = {step: list(recs.values()) for step, recs in self._records.items()}
+        figures.log_figures(self.client, self.run_id, self._rewards, by_step, lineage)
 
     def _write_lineage(self) -> None:
         if not self._lineage_dirty:

@@ -37,14 +37,23 @@ class NodeRecord:
     output_fingerprint: str
     """Fingerprint of the batch after this node."""
     rows_in: int
+    """Rows of the input batch."""
     rows_out: int
+    """Rows of the output batch."""
     policy_versions: list[int]
     """Distinct policy versions present in the output's token_versions (sorted)."""
     trainer_version: int
     """The trainer's policy version when the node ran."""
     start_time: float
+    """Seconds since the epoch when the node started."""
     duration_s: float
+    """Wall time of the execution in seconds."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The stage's own metrics."""
+    worker: str = ""
+    """Where it ran: ``task``, ``driver``, or the worker role with its replica count (``rollout×2``)."""
+    error: str = ""
+    """The error that ended this execution (empty when it succeeded)."""
 
 
 class Observer(Protocol):
@@ -68,6 +77,12 @@ class Observer(Protocol):
         """A file or directory produced by the run (a saved model, a checkpoint)."""
         ...
 
+    def on_node_input(self, step: int, node: str, table: Any, context: dict[str, Any]) -> None:
+        """The input batch of a node execution and its stage context (step, seed, policy version, extras,
+        carry), on steps chosen by ``tracking.record_batches_every``: what ``rlpipe replay`` re-runs.
+        Optional: the executor skips observers without it."""
+        ...
+
     def on_run_end(self, status: str, error: str | None = None) -> None:
         """Called once; status is FINISHED, FAILED or KILLED. Everything produced so far must be persisted."""
         ...
@@ -88,6 +103,9 @@ class NullObserver:
         pass
 
     def on_artifact(self, local_path, artifact_path=None) -> None:
+        pass
+
+    def on_node_input(self, step, node, table, context) -> None:
         pass
 
     def on_run_end(self, status, error=None) -> None:

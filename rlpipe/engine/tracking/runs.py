@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # no download bars in CLI output
 
 import pandas as pd  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -31,7 +32,9 @@ ROLE_PIPELINE = "pipeline"
 ROLE_NODE = "node"
 NODE_TAG = "rlpipe.node"
 LINEAGE_ARTIFACT = "lineage/lineage.parquet"
+TRAJECTORY_LINEAGE_ARTIFACT = "lineage/trajectories.parquet"
 TRAJECTORIES_DIR = "trajectories"
+BATCHES_DIR = "batches"
 
 
 class RunNotFoundError(RlpipeError):
@@ -103,6 +106,23 @@ def lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
     return _read_parquet_artifact(client(tracking_uri), run_id, LINEAGE_ARTIFACT)
 
 
+def trajectory_lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
+    """Every consumed trajectory of a run: uid, versions, prompt and consuming step
+    (schema :data:`rlpipe.engine.tracking.lineage.TRAJECTORY_LINEAGE_SCHEMA`)."""
+    return _read_parquet_artifact(client(tracking_uri), run_id, TRAJECTORY_LINEAGE_ARTIFACT)
+
+
+def table_rows(run_id: str, path: str, tracking_uri: str | None = None) -> list[dict]:
+    """The rows of a JSON table artifact (MLflow's ``split`` layout, as ``log_table`` writes); [] if absent."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = client(tracking_uri).download_artifacts(run_id, path, tmp)
+        except Exception:  # MLflow raises different types per artifact store
+            return []
+        df = pd.read_json(local, orient="split", dtype=False, convert_dates=False)
+        return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
 def trajectories(run_id: str, step: int, tracking_uri: str | None = None) -> pa.Table:
     """The sampled trajectories logged at ``step``."""
     return _read_parquet_artifact(client(tracking_uri), run_id, f"{TRAJECTORIES_DIR}/step_{step:06d}.parquet")
@@ -116,3 +136,12 @@ def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> pd
         columns=["step", "value", "timestamp"],
     )
     return df.sort_values(["step", "timestamp"], kind="stable").reset_index(drop=True)
+
+
+def ui_route(run_id: str, tracking_uri: str | None = None) -> str:
+    """The MLflow UI's route to a run, in its model-training view (append to the UI's address).
+
+    MLflow 3.17's UI chooses between its GenAI and model-training views by a switch kept in
+    the browser (default GenAI); ``workflowType=machine_learning`` in the route selects training."""
+    run = client(tracking_uri).get_run(run_id)
+    return f"#/experiments/{run.info.experiment_id}/runs/{run_id}?workflowType=machine_learning"

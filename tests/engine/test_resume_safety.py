@@ -1,0 +1,85 @@
+"""--resume of a FINISHED run: refused unless --fork (a new linked run) or --extend (more steps, same run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import quickstart_raw
+from rlpipe.engine.planning.config_io import validate_config
+from rlpipe.engine.runtime import run_pipeline
+from rlpipe.errors import ConfigError
+
+
+def config(out: Path, steps: int, uri: str | None):
+    tracking = {"uri": uri, "experiment": "resume-safety", "sample_trajectories": 2} if uri else {"enabled": False}
+    return validate_config(quickstart_raw(
+        name="safe", data={"prompts_per_step": 4}, tracking=tracking,
+        trainer={"total_steps": steps, "output_dir": str(out), "checkpoint_every": 1},
+    ))
+
+
+def model_bytes(folder: Path) -> bytes:
+    return (folder / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume_safety")
+    uri = f"sqlite:///{root}/mlflow.db"
+    result = run_pipeline(config(root / "out", 2, uri), "", inline=True)
+    return root, uri, result
+
+
+def test_a_finished_run_is_not_resumed_silently(finished):
+    root, uri, first = finished
+    final = Path(first.output_dir) / "final"
+    before = model_bytes(final)
+    end = Path(first.output_dir) / "checkpoints" / "step_2"  # written at the end of the run, for --extend
+    assert (end / "engine.pkl").is_file()
+    for ckpt in (end, end.parent / "step_1"):
+        with pytest.raises(ConfigError, match=r"is FINISHED \(2 steps.*Pass --fork .* or --extend"):
+            run_pipeline(config(root / "out", 2, uri), "", inline=True, resume_from=str(ckpt))
+    assert model_bytes(final) == before
+    assert MlflowClient(uri).get_run(first.run_id).info.status == "FINISHED"
+    with pytest.raises(ConfigError, match=r"raise it \(e.g. -o trainer.total_steps=4\)"):
+        run_pipeline(config(root / "out", 2, uri), "", inline=True, resume_from=str(end), extend=True)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        run_pipeline(config(root / "out", 3, uri), "", inline=True, resume_from=str(end), extend=True, fork=True)
+
+
+def test_fork_starts_a_new_run_linked_to_the_old_one(finished):
+    root, uri, first = finished
+    final_before = model_bytes(Path(first.output_dir) / "final")
+    ckpt = Path(first.output_dir) / "checkpoints" / "step_1"
+    fork = run_pipeline(config(root / "out", 3, uri), "", inline=True, resume_from=str(ckpt), fork=True)
+    assert fork.run_id != first.run_id and fork.output_dir != first.output_dir
+    assert fork.steps == 2  # steps 1 and 2
+    client = MlflowClient(uri)
+    tags = client.get_run(fork.run_id).data.tags
+    assert tags["rlpipe.forked_from"] == first.run_id and tags["rlpipe.forked_from_checkpoint"] == str(ckpt)
+    assert sorted(m.step for m in client.get_metric_history(fork.run_id, "reward/mean")) == [1, 2]
+    assert model_bytes(Path(first.output_dir) / "final") == final_before  # the old run is untouched
+    assert sorted(m.step for m in client.get_metric_history(first.run_id, "reward/mean")) == [0, 1]
+
+
+def test_extend_adds_steps_to_the_same_run_and_keeps_its_old_model(finished):
+    root, uri, first = finished
+    out = Path(first.output_dir)
+    old_final = model_bytes(out / "final")
+    more = run_pipeline(config(root / "out", 3, uri), "", inline=True,
+                        resume_from=str(out / "checkpoints" / "step_2"), extend=True)
+    assert more.run_id == first.run_id and more.steps == 1  # only step 2 ran
+    assert model_bytes(out / "final_step_2") == old_final and (out / "final").is_dir()
+    run = MlflowClient(uri).get_run(first.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["rlpipe.extended_to"] == "3"
+    assert sorted(m.step for m in MlflowClient(uri).get_metric_history(first.run_id, "reward/mean")) == [0, 1, 2]
+
+
+def test_without_tracking_the_final_model_marks_a_finished_run(tmp_path):
+    first = run_pipeline(config(tmp_path, 1, None), "", inline=True)
+    with pytest.raises(ConfigError, match=r"is FINISHED \(1 steps"):
+        run_pipeline(config(tmp_path, 1, None), "", inline=True,
+                     resume_from=str(Path(first.output_dir) / "checkpoints" / "step_1"))
