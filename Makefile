@@ -53,6 +53,7 @@ ui-check: setup
 bench: setup
 	$(VENV)/bin/python benchmarks/engine_overhead.py --steps 30 --warmup 3
 	$(VENV)/bin/python benchmarks/async_modes.py --steps 20 --warmup 3
+	$(VENV)/bin/python benchmarks/engines.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db outputs
