@@ -38,7 +38,7 @@ def test_a_finished_run_is_not_resumed_silently(finished):
     final = Path(first.output_dir) / "final"
     before = model_bytes(final)
     end = Path(first.output_dir) / "checkpoints" / "step_2"  # written at the end of the run, for --extend
-    assert (end / "engine.pkl").is_file()
+    assert (end / "manifest.json").is_file()
     for ckpt in (end, end.parent / "step_1"):
         with pytest.raises(ConfigError, match=r"is FINISHED \(2 steps.*Pass --fork .* or --extend"):
             run_pipeline(config(root / "out", 2, uri), "", inline=True, resume_from=str(ckpt))

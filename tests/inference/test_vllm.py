@@ -201,7 +201,7 @@ def test_abort_returns_waiting_requests_untouched(engine):
 
 def test_the_rollout_service_drives_the_engine_across_a_push(engine):
     from conftest import prompt_table
-    from rlpipe.engine.rollout_service import RolloutService
+    from rlpipe.engine.state.rollout_service import RolloutService
     from rlpipe.stages.generate import GenerateParams
 
     v = engine.version
