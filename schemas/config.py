@@ -146,6 +146,11 @@ class TrainerConfig(Strict):
     """Global steps to run."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer workers (torch.distributed, gloo on CPU)."""
+    backend: str = "replicated"
+    """How the DP ranks hold the model (a registered trainer backend): `replicated` (a full copy per
+    rank, gradients all-reduced), `fsdp2` (torch FSDP2: parameters, gradients and AdamW state sharded
+    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core
+    tensor/pipeline parallelism; needs CUDA, refused on CPU)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each global batch."""
     ppo_mini_batch_size: int | None = Field(None, ge=1)

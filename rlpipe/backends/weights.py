@@ -102,19 +102,33 @@ def export_buckets(
     A tensor larger than ``bucket_bytes`` gets a bucket of its own; tensors are
     never split. ``name_map`` renames training names to the engine's names.
     """
+    return pack_buckets(((name, p.detach()) for name, p in model.named_parameters()), bucket_bytes, name_map)
+
+
+def pack_buckets(
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    name_map: NameMap | None = None,
+) -> list[WeightBucket]:
+    """Pack named tensors into buckets, consuming ``named`` lazily: a bucket is packed as soon as it
+    is full and its source tensors are dropped, so a producer that materializes each tensor on
+    demand (a sharded trainer all-gathering one parameter at a time) holds at most one bucket's
+    worth of full tensors."""
     if bucket_bytes < 1:
         raise WeightTransportError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    named = [((name_map or str)(name), p.detach()) for name, p in model.named_parameters()]
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    buckets: list[WeightBucket] = []
+    group: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
         need = _aligned(tensor.numel() * tensor.element_size())
-        if groups[-1] and size + need > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, tensor))
+        if group and size + need > bucket_bytes:
+            buckets.append(_pack(group))
+            group, size = [], 0
+        group.append(((name_map or str)(name), tensor))
         size += need
-    return [_pack(group) for group in groups if group]
+    if group:
+        buckets.append(_pack(group))
+    return buckets
 
 
 def _pack(named: Sequence[tuple[str, torch.Tensor]]) -> WeightBucket:

@@ -265,7 +265,7 @@ def restore(runtime, path: str | Path, state: dict[str, Any]) -> None:
         if runtime.workers.has_role(role):
             runtime.workers.call(role, "load_checkpoint", str(path / role))
     version = state["policy_version"]
-    buckets = runtime.workers.call_async("actor", "export_weights", rank=0)[0]
+    buckets = runtime.workers.call_async("actor", "export_weights")[0]
     runtime.workers.call("rollout", "push_weights", buckets, version)
     runtime.loader.load_state(state["loader"])
     runtime.executor.carry = dict(state["carry"])
