@@ -200,6 +200,12 @@ class ResourcesConfig(Strict):
     """Rollout engine actors; prompts are split across them."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the embedded torch backends."""
+    placement: dict[str, str] = Field(default_factory=dict)
+    """Worker role → the Ray custom resource of the node(s) it must run on, e.g. `{actor: node_a,
+    rollout: node_b}` for nodes started with `ray start --resources '{"node_a": 1}'`. Each worker of
+    the role asks for 0.001 of that resource; roles not named go wherever Ray puts them. The DP ranks of
+    a sharded role (actor, critic) are packed onto one node by a placement group (gloo rendezvous on
+    that node's address). Nodes share no filesystem: see README, "Multi-node"."""
 
 
 class TrackingConfig(Strict):
