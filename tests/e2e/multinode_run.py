@@ -2,7 +2,8 @@
 
 Run by tests/e2e/test_multinode.py in a subprocess, so its cluster never meets the suite's shared
 local Ray. The head has the driver and stateless tasks; node_a (custom resource `node_a`) gets the
-actor's 2 DP ranks, node_b the rollout replica. Prints one JSON line: the node ids and every
+actor's 2 DP ranks (trainer.backend fsdp2: sharded, so weight pushes and the final save are
+collectives of both ranks), node_b the rollout replica. Prints one JSON line: the node ids and every
 lineage record's node, kind and worker.
 """
 
@@ -48,12 +49,14 @@ def main(workdir: str) -> None:
         ray.init(address=cluster.address)
         raw = yaml.safe_load((ROOT / "pipelines" / "quickstart.yaml").read_text())
         raw["data"]["prompts_per_step"] = 4
-        raw["trainer"].update(total_steps=2, dp_size=2, output_dir=f"{workdir}/outputs")
+        raw["trainer"].update(total_steps=2, dp_size=2, backend="fsdp2", output_dir=f"{workdir}/outputs")
         raw["resources"] = {"placement": {"actor": "node_a", "rollout": "node_b"}}
         raw["tracking"] = {"enabled": False}
         recorder = Recorder()
-        run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder)
+        result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder)
+        final = Path(result.output_dir) / "final" / "model.safetensors"
         print(json.dumps({
+            "final_model": final.is_file(),
             "node_a": node_a.node_id, "node_b": node_b.node_id, "status": recorder.status,
             "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records],
         }))

@@ -2,8 +2,8 @@
 
 tests/e2e/multinode_run.py starts a 3-node ray.cluster_utils.Cluster in a subprocess (the
 suite's shared local Ray is never touched), runs 2 sync steps of the quickstart with
-`placement: {actor: node_a, rollout: node_b}` and 2 DP trainer ranks (a STRICT_PACK placement
-group, gloo rendezvous on node_a's address), and reports the lineage records.
+`placement: {actor: node_a, rollout: node_b}` and 2 FSDP2-sharded DP trainer ranks (a STRICT_PACK
+placement group, gloo rendezvous on node_a's address), and reports the lineage records.
 """
 
 import json
@@ -31,7 +31,8 @@ def multinode(tmp_path_factory):
 
 
 def test_the_run_finishes(multinode):
-    assert multinode["status"] == "FINISHED"
+    assert multinode["status"] == "FINISHED", multinode
+    assert multinode["final_model"]
     assert {r["step"] for r in multinode["records"]} == {0, 1}
 
 

@@ -134,6 +134,17 @@ def test_sharded_checkpoint_resumes_to_the_same_next_update(fsdp_results):
             assert torch.equal(cont, res)
 
 
+def test_a_sharded_checkpoint_is_refused_by_another_layout(tmp_path):
+    from rlpipe.engine.state.safe_io import save_state
+
+    state = TrainState(fsdp_config("token-mean", 1, "replicated"), 0, 1, None)
+    sd = state.state_dict()
+    sd["layout"] = {"backend": "fsdp2", "world_size": 2}
+    save_state(sd, tmp_path, "actor_rank0")
+    with pytest.raises(ConfigError, match="fsdp2 shards of 2 rank"):
+        state.load_checkpoint(str(tmp_path / "actor"))
+
+
 def test_megatron_backend_is_refused_on_cpu():
     from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 

@@ -304,8 +304,8 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         layout = state.get("layout", {"backend": "replicated", "world_size": self.world_size})
-        if self.backend.sharded and (layout["backend"], layout["world_size"]) != (self.config.trainer.backend,
-                                                                                  self.world_size):
+        sharded = self.backend.sharded or layout["backend"] != "replicated"
+        if sharded and (layout["backend"], layout["world_size"]) != (self.config.trainer.backend, self.world_size):
             raise ConfigError(
                 f"this checkpoint holds {layout['backend']} shards of {layout['world_size']} rank(s), but the trainer "
                 f"runs {self.config.trainer.backend} on {self.world_size}; resume with the same trainer.backend and "
