@@ -57,6 +57,7 @@ def _rank_main(rank: int, address: str, out_dir: str) -> None:
         result = {"params": full, "metrics": metrics, "local_params": local_params, "moments": moments,
                   "buckets": buckets}
         if case == "token-mean":
+            state.save_hf(f"{out_dir}/hf")
             prefix = f"{out_dir}/ckpt-actor"
             state.save_checkpoint(prefix)
             run(state, case, ROWS[case][rank])
@@ -92,12 +93,12 @@ def fsdp_results(tmp_path_factory):
                 p.kill()
             pytest.fail("FSDP2 ranks did not finish within 240 s")
     ranks = {case: [torch.load(out_dir / f"{case}-rank{r}.pt", weights_only=False) for r in (0, 1)] for case in ROWS}
-    return singles, ranks
+    return singles, ranks, out_dir
 
 
 @pytest.mark.parametrize("case", list(ROWS))
 def test_fsdp2_update_equals_the_unsharded_trainer(fsdp_results, case):
-    singles, ranks = fsdp_results
+    singles, ranks, _ = fsdp_results
     for rank in (0, 1):
         for p_fsdp, p_single in zip(ranks[case][rank]["params"], singles[case]["params"], strict=True):
             torch.testing.assert_close(p_fsdp, p_single, rtol=0, atol=1e-5)
@@ -106,7 +107,7 @@ def test_fsdp2_update_equals_the_unsharded_trainer(fsdp_results, case):
 
 
 def test_each_rank_holds_about_half_of_parameters_and_optimizer_state(fsdp_results):
-    singles, ranks = fsdp_results
+    singles, ranks, _ = fsdp_results
     total = singles["token-mean"]["total"]
     local = [ranks["token-mean"][r]["local_params"] for r in (0, 1)]
     moments = [ranks["token-mean"][r]["moments"] for r in (0, 1)]
@@ -116,7 +117,7 @@ def test_each_rank_holds_about_half_of_parameters_and_optimizer_state(fsdp_resul
 
 
 def test_export_gathers_the_full_hf_named_weights_on_rank_0(fsdp_results):
-    singles, ranks = fsdp_results
+    singles, ranks, _ = fsdp_results
     assert ranks["token-mean"][1]["buckets"] is None
     sharded, single = ranks["token-mean"][0]["buckets"], singles["token-mean"]["buckets"]
     assert [m.name for b in sharded for m in b.tensors] == [m.name for b in single for m in b.tensors]
@@ -126,8 +127,17 @@ def test_export_gathers_the_full_hf_named_weights_on_rank_0(fsdp_results):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
+def test_save_hf_gathers_the_sharded_model_on_rank_0(fsdp_results):
+    from transformers import AutoModelForCausalLM
+
+    _, ranks, out_dir = fsdp_results
+    saved = AutoModelForCausalLM.from_pretrained(out_dir / "hf")
+    for p_saved, p_rank in zip(saved.parameters(), ranks["token-mean"][0]["params"], strict=True):
+        assert torch.equal(p_saved.detach(), p_rank)
+
+
 def test_sharded_checkpoint_resumes_to_the_same_next_update(fsdp_results):
-    _, ranks = fsdp_results
+    _, ranks, _ = fsdp_results
     for rank in (0, 1):
         r = ranks["token-mean"][rank]
         for cont, res in zip(r["continued"], r["resumed"], strict=True):

@@ -242,26 +242,34 @@ class TrainState:
         """Save the policy as a HF model directory on rank 0 (call on every rank: a sharded model is gathered)."""
         from rlpipe.backends.model import save_hf_model
 
-        if self.backend.sharded:
-            full = {name: tensor for name, tensor in self.backend.full_parameters(self.model)}
-            if self.rank == 0:
-                os.makedirs(path, exist_ok=True)
-                save_hf_model(self._unsharded_copy(full), self.tokenizer, path)
+        if self.backend.sharded:  # every rank takes part in each gather; only rank 0 keeps (and saves) a copy
+            gathered = self.backend.full_parameters(self.model)
+            if self.rank != 0:
+                for _ in gathered:
+                    pass
+                return path
+            os.makedirs(path, exist_ok=True)
+            save_hf_model(self._unsharded_copy(gathered), self.tokenizer, path)
             return path
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             save_hf_model(self.model, self.tokenizer, path)
         return path
 
-    def _unsharded_copy(self, full: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """A plain (unsharded) model of the same architecture holding ``full`` (for saving)."""
+    @torch.no_grad()
+    def _unsharded_copy(self, gathered) -> torch.nn.Module:
+        """A plain (unsharded) model of the same architecture filled from ``gathered`` (name, full tensor) pairs,
+        one tensor at a time."""
         model = build_model(self.config.model, self.tokenizer, self.config.seed)
         params = dict(model.named_parameters())
-        if set(params) != set(full):
-            raise RlpipeError(f"cannot save the sharded model as HF: names differ ({sorted(set(params) ^ set(full))[:3]})")
-        with torch.no_grad():
-            for name, tensor in full.items():
-                params[name].copy_(tensor)
+        seen = set()
+        for name, tensor in gathered:
+            if name not in params:
+                raise RlpipeError(f"cannot save the sharded model as HF: {name!r} is not a parameter of the model")
+            params[name].copy_(tensor)
+            seen.add(name)
+        if seen != set(params):
+            raise RlpipeError(f"cannot save the sharded model as HF: {sorted(set(params) - seen)[:3]} were not gathered")
         return model
 
     # --- checkpoint --------------------------------------------------------
