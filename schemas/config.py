@@ -146,6 +146,11 @@ class TrainerConfig(Strict):
     """Global steps to run."""
     dp_size: int = Field(1, ge=1)
     """Data-parallel trainer workers (torch.distributed, gloo on CPU)."""
+    backend: str = "replicated"
+    """How the DP ranks hold the model (a registered trainer backend): `replicated` (a full copy per
+    rank, gradients all-reduced), `fsdp2` (torch FSDP2: parameters, gradients and AdamW state sharded
+    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core
+    tensor/pipeline parallelism; needs CUDA, refused on CPU)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each global batch."""
     ppo_mini_batch_size: int | None = Field(None, ge=1)
@@ -195,6 +200,12 @@ class ResourcesConfig(Strict):
     """Rollout engine actors; prompts are split across them."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the embedded torch backends."""
+    placement: dict[str, str] = Field(default_factory=dict)
+    """Worker role → the Ray custom resource of the node(s) it must run on, e.g. `{actor: node_a,
+    rollout: node_b}` for nodes started with `ray start --resources '{"node_a": 1}'`. Each worker of
+    the role asks for 0.001 of that resource; roles not named go wherever Ray puts them. The DP ranks of
+    a sharded role (actor, critic) are packed onto one node by a placement group (gloo rendezvous on
+    that node's address). Nodes share no filesystem: see README, "Multi-node"."""
 
 
 class TrackingConfig(Strict):

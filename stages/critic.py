@@ -28,7 +28,7 @@ from rlpipe.stage import StageParams, StageResult, cols, stage
 from rlpipe.stages.algos.aggregation import AGG_MODES, Aggregator, LossDenominators
 from rlpipe.stages.algos.critic_loss import value_loss
 from rlpipe.stages.algos.ops import known_name
-from rlpipe.stages.logprobs import micro_batches
+from rlpipe.stages.logprobs import keep_in_step, micro_batches
 
 
 class CriticModel(torch.nn.Module):
@@ -67,7 +67,9 @@ class CriticValuesParams(StageParams):
 def critic_values(state, batch: pa.Table, params: CriticValuesParams, ctx) -> StageResult:
     size = params.micro_batch_size or state.config.trainer.micro_batch_size
     chunks = []
-    for rows in micro_batches(batch.num_rows, size):
+    micros = micro_batches(batch.num_rows, size)
+    keep_in_step(state, len(micros), backward=False)
+    for rows in micros:
         with torch.no_grad():
             values, seq = response_values(state.model, batch.take(pa.array(rows)), state.pad_token_id)
         chunks.append(from_padded(values, seq.response_lengths, pa.float32()))
@@ -112,7 +114,9 @@ def _local_update(state, mini: pa.Table, params: CriticLossConfig) -> dict[str, 
     tokens, seqs = state.all_reduce_sum(local).tolist()
     den = LossDenominators(global_tokens=tokens, global_seqs=seqs, dp_size=state.world_size)
     sums: dict[str, float] = {}
-    for rows in micro_batches(mini.num_rows, state.config.trainer.micro_batch_size):
+    micros = micro_batches(mini.num_rows, state.config.trainer.micro_batch_size)
+    keep_in_step(state, len(micros), backward=True)
+    for rows in micros:
         micro = mini.take(pa.array(rows))
         vpreds, seq = response_values(state.model, micro, state.pad_token_id)
         width = seq.response_width

@@ -64,6 +64,15 @@ def micro_batches(num_rows: int, size: int) -> list[np.ndarray]:
     return [np.arange(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
 
 
+def keep_in_step(state, count: int, backward: bool) -> None:
+    """Before this rank's ``count`` micro-batch passes: run the idle passes a sharded trainer needs so every
+    rank runs as many passes as the busiest (FSDP2 all-gathers each layer in every pass). A no-op for
+    states without ``lockstep_passes`` (reference, test states) and for unsharded backends."""
+    if hasattr(state, "lockstep_passes"):
+        for _ in range(state.lockstep_passes(count) - count):
+            state.idle_pass(backward=backward)
+
+
 @torch.no_grad()
 def score_batch(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, temperature: float,
                 micro_batch_size: int, with_sum_pi_squared: bool = False):
@@ -100,6 +109,7 @@ def recompute_old_logprobs(state, batch: pa.Table, params: OldLogProbParams, ctx
 def _score_on(state, batch: pa.Table, params: LogProbParams, ctx, with_sum_pi_squared: bool = False):
     """``score_batch`` with the worker's model, the params' (or trainer's) micro-batch, the run's temperature."""
     micro = params.micro_batch_size or state.config.trainer.micro_batch_size
+    keep_in_step(state, len(micro_batches(batch.num_rows, micro)), backward=False)
     return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro,
                        with_sum_pi_squared)
 

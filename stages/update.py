@@ -23,7 +23,7 @@ from rlpipe.schemas.batch import (
 )
 from rlpipe.stage import StageResult, cols, stage
 from rlpipe.stages.algos.policy_loss import SUMMED_METRICS, ActorLossConfig, LossDenominators, actor_loss
-from rlpipe.stages.logprobs import micro_batches, model_logprobs
+from rlpipe.stages.logprobs import keep_in_step, micro_batches, model_logprobs
 
 
 class PPOUpdateParams(ActorLossConfig):
@@ -81,7 +81,9 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
     loss_finite = True
     denominators = LossDenominators(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=state.world_size)
     sums: dict[str, float] = {}
-    for rows in micro_batches(mini.num_rows, micro_size):
+    micros = micro_batches(mini.num_rows, micro_size)
+    keep_in_step(state, len(micros), backward=True)
+    for rows in micros:
         micro = mini.take(pa.array(rows))
         logp, entropy, seq = model_logprobs(
             state.model, micro, state.pad_token_id, temperature, with_entropy=params.entropy_coeff != 0

@@ -56,7 +56,7 @@ def push_weights(batch, params: WeightSyncParams, ctx) -> StageResult:
     workers = ctx.workers
     t0 = time.perf_counter()
     # a reference: the buckets go from the trainer to the replicas, never through this process
-    push = _boundary("1 (export)", lambda: workers.call_async("actor", "export_for_push", rank=0)[0])
+    push = _boundary("1 (export)", lambda: workers.call_async("actor", "export_for_push")[0])
     version = _boundary("1 (version bump)", lambda: workers.call("actor", "bump_version"))[0]
     replicas = "2-5 (transport, engine load, cache reset, resume)"
     pushed = _boundary(replicas, lambda: workers.call_async("rollout", "push_weights", push, version))

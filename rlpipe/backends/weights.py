@@ -11,9 +11,11 @@ Implements boundaries 1-3 of a weight push (SPEC R6) for the embedded backends:
 3. load: checksums, names, shapes and dtypes are all checked *before* the first
    parameter is written, so a bad push leaves the engine's weights untouched.
 
-Left out here: double buffering, delta sync and fused-QKV splitting (they belong
-to the transports / exporters built on top of this format), and buffers such as
-rotary frequencies (non-persistent, derived from the model config).
+Delta format: :func:`delta_bucket` / :func:`apply_delta` send only the changed 4-byte
+words of a bucket, checksummed at both ends (not yet used by the weight_sync stage).
+Left out here: double buffering, fused-QKV splitting (they belong to the transports /
+exporters built on top of this format), and buffers such as rotary frequencies
+(non-persistent, derived from the model config).
 """
 
 from __future__ import annotations
@@ -102,19 +104,33 @@ def export_buckets(
     A tensor larger than ``bucket_bytes`` gets a bucket of its own; tensors are
     never split. ``name_map`` renames training names to the engine's names.
     """
+    return pack_buckets(((name, p.detach()) for name, p in model.named_parameters()), bucket_bytes, name_map)
+
+
+def pack_buckets(
+    named: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    name_map: NameMap | None = None,
+) -> list[WeightBucket]:
+    """Pack named tensors into buckets, consuming ``named`` lazily: a bucket is packed as soon as it
+    is full and its source tensors are dropped, so a producer that materializes each tensor on
+    demand (a sharded trainer all-gathering one parameter at a time) holds at most one bucket's
+    worth of full tensors."""
     if bucket_bytes < 1:
         raise WeightTransportError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    named = [((name_map or str)(name), p.detach()) for name, p in model.named_parameters()]
-    groups: list[list[tuple[str, torch.Tensor]]] = [[]]
+    buckets: list[WeightBucket] = []
+    group: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named:
         need = _aligned(tensor.numel() * tensor.element_size())
-        if groups[-1] and size + need > bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, tensor))
+        if group and size + need > bucket_bytes:
+            buckets.append(_pack(group))
+            group, size = [], 0
+        group.append(((name_map or str)(name), tensor))
         size += need
-    return [_pack(group) for group in groups if group]
+    if group:
+        buckets.append(_pack(group))
+    return buckets
 
 
 def _pack(named: Sequence[tuple[str, torch.Tensor]]) -> WeightBucket:
@@ -190,3 +206,51 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict
             src = flat[meta.offset : meta.offset + meta.nbytes].view(param.dtype).view(meta.shape)
             param.copy_(src)
     return loaded
+
+
+# --- delta transport format ------------------------------------------------------------------
+# A push that sends only the 4-byte words that changed since the receiver's copy of a bucket.
+# Buckets are 64-byte aligned, so every bucket is a whole number of words; a changed float32
+# element is one word (a bfloat16 pair shares one). Format and checks only: the weight_sync
+# stage still sends full buckets (wiring a delta push needs each replica to keep its last
+# buckets, and the trainer its last export).
+
+
+@dataclass(frozen=True)
+class DeltaBucket:
+    """The words of a bucket that differ from a base bucket, and checksums of both ends."""
+
+    base_checksum: str
+    """Checksum of the bucket this delta applies to (the receiver's current copy)."""
+    indices: np.ndarray  # int64 word positions
+    values: np.ndarray  # uint32 new words
+    tensors: tuple[TensorMeta, ...]
+    checksum: str
+    """Checksum of the bucket after applying the delta (verified by :func:`apply_delta`)."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.indices.nbytes + self.values.nbytes)
+
+
+def delta_bucket(base: WeightBucket, new: WeightBucket) -> DeltaBucket:
+    """The delta turning ``base`` into ``new`` (same tensors, same layout)."""
+    if base.tensors != new.tensors:
+        raise WeightTransportError("a delta needs two buckets of the same tensors and layout; send a full bucket")
+    old_words, new_words = base.data.view(np.uint32), new.data.view(np.uint32)
+    indices = np.flatnonzero(old_words != new_words)
+    return DeltaBucket(base.checksum, indices.astype(np.int64), new_words[indices].copy(), new.tensors, new.checksum)
+
+
+def apply_delta(base: WeightBucket, delta: DeltaBucket) -> WeightBucket:
+    """``base`` with ``delta`` applied, as a new bucket; both checksums are verified."""
+    if checksum(base.data) != delta.base_checksum or base.tensors != delta.tensors:
+        raise WeightTransportError(
+            "this delta was made against another copy of the bucket (the receiver missed a push or holds another "
+            "version); send a full push"
+        )
+    data = np.array(base.data, dtype=np.uint8, copy=True)
+    data.view(np.uint32)[delta.indices] = delta.values
+    if checksum(data) != delta.checksum:
+        raise WeightTransportError("the bucket after applying a delta does not match its checksum; send a full push")
+    return WeightBucket(data, delta.tensors, delta.checksum)

@@ -80,7 +80,7 @@ class Runtime:
 
     def _initial_sync(self) -> None:
         """Version 0 everywhere: rollout and reference start from the trainer's weights."""
-        buckets = self.workers.call_async("actor", "export_weights", rank=0)[0]
+        buckets = self.workers.call_async("actor", "export_weights")[0]
         for role in ("rollout", "ref"):
             if self.workers.has_role(role):
                 self.workers.call(role, "load_weights", buckets, 0)
@@ -150,7 +150,7 @@ class Runtime:
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
-        self.workers.call("actor", "save_hf", path, rank=0)
+        self.workers.call("actor", "save_hf", path)
         self.observer.on_artifact(path, f"model/{tag}")
         return path
 

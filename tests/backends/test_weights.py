@@ -98,3 +98,35 @@ def test_name_map_hook_and_partial_pushes():
     with pytest.raises(WeightTransportError, match="misses .* parameter"):
         load_buckets(model(1), first_bucket_only)
     assert load_buckets(model(1), first_bucket_only, strict=False) == [first_bucket_only[0].tensors[0].name]
+
+
+def test_a_delta_carries_only_changed_words_and_rebuilds_the_new_bucket():
+    from rlpipe.backends.weights import apply_delta, delta_bucket
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    (old,) = export_buckets(model)
+    with torch.no_grad():
+        model[0].weight[3, :4] += 1.0
+        model[1].bias[0] -= 0.5
+    (new,) = export_buckets(model)
+    delta = delta_bucket(old, new)
+    assert len(delta.indices) == 5 and delta.nbytes < new.nbytes // 20
+    rebuilt = apply_delta(old, delta)
+    assert rebuilt.checksum == new.checksum and np.array_equal(rebuilt.data, new.data)
+
+
+def test_a_delta_on_the_wrong_base_or_corrupted_is_refused():
+    from rlpipe.backends.weights import DeltaBucket, apply_delta, delta_bucket
+
+    model = torch.nn.Linear(4, 4)
+    (old,) = export_buckets(model)
+    with torch.no_grad():
+        model.weight += 1.0
+    (new,) = export_buckets(model)
+    delta = delta_bucket(old, new)
+    with pytest.raises(WeightTransportError, match="another copy"):
+        apply_delta(new, delta)
+    bad = DeltaBucket(delta.base_checksum, delta.indices, delta.values ^ 1, delta.tensors, delta.checksum)
+    with pytest.raises(WeightTransportError, match="does not match its checksum"):
+        apply_delta(old, bad)

@@ -147,11 +147,14 @@ class StepExecutor:
                              metrics={}, error=f"{type(error).__name__}: {error}")
 
     def where(self, node: PlannedNode) -> str:
-        """Where a node runs, for its lineage: ``task``, ``driver`` or ``<role>×<replicas>``."""
+        """Where a node runs, for its lineage: ``task``, ``driver`` or ``<role>×<replicas>``, followed on Ray by
+        ``@<node ids>`` (the Ray nodes of the role's workers)."""
         spec = node.spec
         if spec.placement != "worker":
             return spec.placement
-        return f"{spec.role}×{self.backend.group_size(spec.role)}"
+        where = f"{spec.role}×{self.backend.group_size(spec.role)}"
+        nodes = getattr(self.backend, "group_nodes", lambda role: [])(spec.role)
+        return f"{where}@{','.join(sorted(set(nodes)))}" if nodes else where
 
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,

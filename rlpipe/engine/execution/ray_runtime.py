@@ -68,6 +68,10 @@ class WorkerActor:
     def ready(self) -> bool:
         return True
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
         return run_stage(kind, impl, params, batch, ctx, self.state)
 
@@ -86,17 +90,52 @@ def free_address() -> str:
         return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-class WorkerGroup:
-    """The workers of one role."""
+@ray.remote(num_cpus=0, max_retries=0)
+def _node_address() -> str:
+    """A free TCP address on the node this task runs on (rank 0's node: the gloo rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return f"{ray.util.get_node_ip_address()}:{sock.getsockname()[1]}"
 
-    def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1):
+
+PLACEMENT_SHARE = 0.001
+"""How much of a node's placement resource (resources.placement) each worker asks for."""
+
+
+class WorkerGroup:
+    """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it."""
+
+    def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
+                 node_resource: str | None = None):
         self.role = role
         self.sharded = sharded
-        address = free_address() if sharded and size > 1 else None
+        self.placement_group = None
+        options: list[dict] = [{} for _ in range(size)]
+        address = None
+        if sharded and size > 1:
+            address, options = self._pack(size, node_resource)
+        elif node_resource:
+            options = [{"resources": {node_resource: PLACEMENT_SHARE}} for _ in range(size)]
         self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency).remote(role, rank, size, config, address)
+            WorkerActor.options(max_concurrency=max_concurrency, **options[rank]).remote(role, rank, size, config, address)
             for rank in range(size)
         ]
+        self.nodes: list[str] = []
+        """Ray node id of every rank (filled by :meth:`ready`)."""
+
+    def _pack(self, size: int, node_resource: str | None) -> tuple[str, list[dict]]:
+        """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's) and
+        the gloo rendezvous address on that node."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {node_resource: PLACEMENT_SHARE} if node_resource else {"CPU": PLACEMENT_SHARE}
+        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
+        ray.get(self.placement_group.ready())
+        strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+                      for rank in range(size)]
+        address = ray.get(_node_address.options(scheduling_strategy=strategies[0]).remote())
+        return address, [{"scheduling_strategy": s} for s in strategies]
 
     @property
     def size(self) -> int:
@@ -104,6 +143,7 @@ class WorkerGroup:
 
     def ready(self) -> None:
         ray.get([a.ready.remote() for a in self.actors])
+        self.nodes = ray.get([a.node.remote() for a in self.actors])
 
     def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
         actors = self.actors if rank is None else [self.actors[rank]]
@@ -127,7 +167,8 @@ class RayBackend:
         groups = {}
         for role in sorted(roles):
             spec = WORKER_ROLES.get(role)
-            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency)
+            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
+                                       config.resources.placement.get(role))
         backend = cls(groups)
         try:
             for group in groups.values():
@@ -147,9 +188,17 @@ class RayBackend:
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)
+            if group.placement_group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(group.placement_group)
 
     def group_size(self, role: str) -> int:
         return self.groups[role].size if role in self.groups else 1
+
+    def group_nodes(self, role: str) -> list[str]:
+        """Ray node ids of the role's workers (one per rank; lineage records them)."""
+        return self.groups[role].nodes if role in self.groups else []
 
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
         return ray.get(run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx))

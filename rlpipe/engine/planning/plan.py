@@ -103,6 +103,9 @@ def build_plan(config: PipelineConfig) -> Plan:
     mode_params = _validate_params(mode_cls.Params, config.mode_params, "mode_params")
     plan = Plan(nodes, config.mode, mode_params)
     mode_cls.check(config, plan)
+    registry("trainer_backend").get(config.trainer.backend).check(config)
+    for role in config.resources.placement:  # an unknown role raises, listing the known ones
+        registry("worker_role").get(role)
     for node in nodes:
         if node.spec.check is not None:
             node.spec.check(node.params, config, plan)

@@ -95,6 +95,18 @@ def _sections(config) -> dict[str, str]:
     return {key: _hash(value) for key, value in _computed(config).items()}
 
 
+def _check_visible(role: str, files: list[str]) -> None:
+    """The trainer ranks' files must be visible to the driver, which checksums them into the manifest."""
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"the {role} workers wrote {missing[0]} (and {len(missing) - 1} more) on a node whose files this "
+            "driver does not see, so the checkpoint would be incomplete: on a multi-node cluster put "
+            "trainer.output_dir on storage every node mounts, or place the trainer on the driver's node "
+            "(resources.placement); see README, 'Multi-node'"
+        )
+
+
 def save(runtime, next_step: int) -> Path:
     """Write the checkpoint of ``runtime`` taken before ``next_step``; returns its folder."""
     path = checkpoint_dir(runtime.output_dir, next_step).absolute()
@@ -103,7 +115,8 @@ def save(runtime, next_step: int) -> Path:
     _check_free_disk(runtime, path)
     for role in TRAINER_ROLES:
         if runtime.workers.has_role(role):
-            runtime.workers.call(role, "save_checkpoint", str(path / role))
+            written = runtime.workers.call(role, "save_checkpoint", str(path / role))
+            _check_visible(role, [f for rank_files in written for f in (rank_files or [])])
     state: dict[str, Any] = {
         "next_step": next_step,
         "policy_version": runtime.executor.policy_version,
@@ -265,7 +278,7 @@ def restore(runtime, path: str | Path, state: dict[str, Any]) -> None:
         if runtime.workers.has_role(role):
             runtime.workers.call(role, "load_checkpoint", str(path / role))
     version = state["policy_version"]
-    buckets = runtime.workers.call_async("actor", "export_weights", rank=0)[0]
+    buckets = runtime.workers.call_async("actor", "export_weights")[0]
     runtime.workers.call("rollout", "push_weights", buckets, version)
     runtime.loader.load_state(state["loader"])
     runtime.executor.carry = dict(state["carry"])

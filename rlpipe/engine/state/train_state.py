@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
-from rlpipe.backends.weights import WeightPush, export_buckets
-from rlpipe.errors import RlpipeError
+from rlpipe.backends.weights import WeightPush, pack_buckets
+from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,12 @@ class TrainState:
         self.tokenizer = build_tokenizer(config.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         factory = model_factory or (lambda tok: build_model(config.model, tok, config.seed))
+        self.backend = TRAINER_BACKENDS.get(config.trainer.backend)
         self.model = factory(self.tokenizer).to(self.device)
         self.model.train()
+        if world_size > 1:
+            self._join_group(dist_address)
+        self.model = self.backend.wrap(self.model, world_size)
         opt = config.trainer.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
@@ -91,8 +96,6 @@ class TrainState:
         """Updates dropped for a non-finite loss or grad norm (trainer.on_nonfinite: skip)."""
         self.zero_grad_streak = 0
         """Consecutive updates with a zero grad norm although their advantages were not all zero."""
-        if world_size > 1:
-            self._join_group(dist_address)
 
     def _join_group(self, address: str | None) -> None:
         if not dist.is_initialized():
@@ -117,6 +120,26 @@ class TrainState:
         self.all_reduce_sum(values)
         return {k: float(v) / self.world_size for k, v in zip(keys, values)}
 
+    def lockstep_passes(self, count: int) -> int:
+        """How many forward passes this rank runs where it has ``count`` micro-batches: ``count``, or the most
+        any rank has when the backend's collectives (FSDP2's per-layer all-gathers) need every rank in every
+        pass; the rest are :meth:`idle_pass` es."""
+        if not self.backend.sharded or self.world_size == 1:
+            return count
+        most = torch.tensor([float(count)], dtype=torch.float64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
+    def idle_pass(self, backward: bool) -> None:
+        """A forward (and, with ``backward``, a zero-gradient backward) on one pad token: keeps this rank in
+        step with ranks that have more micro-batches; it changes no gradient."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        with torch.set_grad_enabled(backward):
+            out = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.zeros_like(ids))
+            out = getattr(out, "logits", out)
+            if backward:
+                (out.sum() * 0.0).backward()
+
     # --- optimization ------------------------------------------------------
     def optimizer_step(self, loss_finite: bool = True, expect_grad: bool = False) -> dict[str, float]:
         """Sum grads over ranks, clip, step the optimizer and the schedule; returns grad norm, LR and
@@ -132,16 +155,11 @@ class TrainState:
         if self.world_size > 1:
             flag = self.all_reduce_sum(torch.tensor([0.0 if loss_finite else 1.0], dtype=torch.float64))
             loss_finite = bool(flag.item() == 0)
-            if params:
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-                self.all_reduce_sum(flat)
-                offset = 0
-                for p in params:
-                    n = p.grad.numel()
-                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                    offset += n
+            self.backend.reduce_gradients(params, self.world_size)
         clip = trainer.grad_clip
+        # on sharded (DTensor) grads clip_grad_norm_ reduces the norm over the ranks itself
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.tensor(0.0)
+        grad_norm = self.backend.full(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         stepped = bool(torch.isfinite(grad_norm)) and loss_finite
         if not stepped:
@@ -169,13 +187,16 @@ class TrainState:
         return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if stepped else 1.0}
 
     def _check_parameters(self) -> None:
-        for name, p in self.model.named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                raise NumericalError(
-                    f"local update {self.local_updates}: parameter {name!r} became non-finite after the optimizer "
-                    f"step (lr {self.scheduler.get_last_lr()[0]:g}); the weights were not pushed. Lower "
-                    "trainer.optimizer.lr or set trainer.grad_clip"
-                )
+        bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(self.backend.local(p)).all())]
+        if self.backend.sharded and self.world_size > 1:  # every rank raises, none waits in a collective
+            flags = self.all_reduce_sum(torch.tensor([float(bool(bad))], dtype=torch.float64))
+            bad = bad or (["<a shard on another rank>"] if flags.item() else [])
+        if bad:
+            raise NumericalError(
+                f"local update {self.local_updates}: parameter {bad[0]!r} became non-finite after the optimizer "
+                f"step (lr {self.scheduler.get_last_lr()[0]:g}); the weights were not pushed. Lower "
+                "trainer.optimizer.lr or set trainer.grad_clip"
+            )
 
     def _watch_zero_grad(self, zero: bool) -> None:
         self.zero_grad_streak = self.zero_grad_streak + 1 if zero else 0
@@ -189,14 +210,26 @@ class TrainState:
 
     # --- weights -----------------------------------------------------------
     def export_weights(self):
-        """Inference-layout weight buckets of the current model (see rlpipe.backends.weights)."""
-        return export_buckets(self.model)
+        """Inference-layout weight buckets of the current model (see rlpipe.backends.weights), on rank 0.
 
-    def export_for_push(self) -> WeightPush:
-        """``export_weights`` timed, for a weight push (boundary 1 of weight sync)."""
+        Call it on every rank: a sharded backend all-gathers one parameter at a time (every rank takes
+        part) and rank 0 packs them, holding at most one bucket of full tensors beyond its shard. Other
+        ranks return None (a replicated one at once, without any work).
+        """
+        if self.rank != 0:
+            if self.backend.sharded:
+                for _ in self.backend.full_parameters(self.model):
+                    pass  # take part in every gather
+            return None
+        return pack_buckets(self.backend.full_parameters(self.model))
+
+    def export_for_push(self) -> WeightPush | None:
+        """``export_weights`` timed, for a weight push (boundary 1 of weight sync); None off rank 0."""
         start = time.perf_counter()
-        buckets = tuple(export_buckets(self.model))
-        return WeightPush(buckets, export_s=time.perf_counter() - start, exported_at=time.time())
+        buckets = self.export_weights()
+        if buckets is None:
+            return None
+        return WeightPush(tuple(buckets), export_s=time.perf_counter() - start, exported_at=time.time())
 
     def bump_version(self) -> int:
         self.version += 1
@@ -206,22 +239,53 @@ class TrainState:
         return self.version
 
     def save_hf(self, path: str) -> str:
+        """Save the policy as a HF model directory on rank 0 (call on every rank: a sharded model is gathered)."""
         from rlpipe.backends.model import save_hf_model
 
+        if self.backend.sharded:  # every rank takes part in each gather; only rank 0 keeps (and saves) a copy
+            gathered = self.backend.full_parameters(self.model)
+            if self.rank != 0:
+                for _ in gathered:
+                    pass
+                return path
+            os.makedirs(path, exist_ok=True)
+            save_hf_model(self._unsharded_copy(gathered), self.tokenizer, path)
+            return path
         if self.rank == 0:
             os.makedirs(path, exist_ok=True)
             save_hf_model(self.model, self.tokenizer, path)
         return path
 
+    @torch.no_grad()
+    def _unsharded_copy(self, gathered) -> torch.nn.Module:
+        """A plain (unsharded) model of the same architecture filled from ``gathered`` (name, full tensor) pairs,
+        one tensor at a time."""
+        model = build_model(self.config.model, self.tokenizer, self.config.seed)
+        params = dict(model.named_parameters())
+        seen = set()
+        for name, tensor in gathered:
+            if name not in params:
+                raise RlpipeError(f"cannot save the sharded model as HF: {name!r} is not a parameter of the model")
+            params[name].copy_(tensor)
+            seen.add(name)
+        if seen != set(params):
+            raise RlpipeError(f"cannot save the sharded model as HF: {sorted(set(params) - seen)[:3]} were not gathered")
+        return model
+
     # --- checkpoint --------------------------------------------------------
     def state_dict(self) -> dict:
+        """This rank's state; a sharded backend's tensors are this rank's local shards (plain tensors)."""
+        local = self.backend.local
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {k: {n: local(v) for n, v in st.items()} for k, st in optimizer["state"].items()}
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": {k: local(v) for k, v in self.model.state_dict().items()},
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "local_updates": self.local_updates,
             "version": self.version,
             "rng": torch.get_rng_state(),
+            "layout": {"backend": self.config.trainer.backend, "world_size": self.world_size},
         }
 
     def save_checkpoint(self, prefix: str) -> list[str]:
@@ -244,12 +308,40 @@ class TrainState:
 
     def checkpoint_bytes(self) -> int:
         """Estimated size of this rank's checkpoint: the model plus AdamW's two moments."""
-        return 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return 3 * sum(self.backend.local(p).numel() * p.element_size() for p in self.model.parameters())
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        layout = state.get("layout", {"backend": "replicated", "world_size": self.world_size})
+        sharded = self.backend.sharded or layout["backend"] != "replicated"
+        if sharded and (layout["backend"], layout["world_size"]) != (self.config.trainer.backend, self.world_size):
+            raise ConfigError(
+                f"this checkpoint holds {layout['backend']} shards of {layout['world_size']} rank(s), but the trainer "
+                f"runs {self.config.trainer.backend} on {self.world_size}; resume with the same trainer.backend and "
+                "trainer.dp_size (resharding a checkpoint is not implemented)"
+            )
+        if self.backend.sharded:
+            self._load_sharded(state)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.local_updates = state["local_updates"]
         self.version = state["version"]
         torch.set_rng_state(state["rng"])
+
+    @torch.no_grad()
+    def _load_sharded(self, state: dict) -> None:
+        """Copy local shards into the DTensors of the model and re-wrap the optimizer's moments as DTensors."""
+        from torch.distributed.tensor import DTensor
+
+        current = self.model.state_dict()
+        if set(current) != set(state["model"]):
+            raise ConfigError(f"checkpoint and model differ in names: {sorted(set(current) ^ set(state['model']))[:3]}")
+        for name, value in current.items():
+            self.backend.local(value).copy_(state["model"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for param, st in self.optimizer.state.items():
+            for key, value in st.items():
+                if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
+                    st[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                 shape=param.shape, stride=param.stride())
