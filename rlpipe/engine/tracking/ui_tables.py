@@ -20,6 +20,7 @@ then (``tracking.figures_every``) and at the run's end, with the same layout and
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -112,12 +113,16 @@ def lineage_rows(records: Iterable[NodeRecord]) -> list[dict]:
     ]
 
 
+_TAG_LOCK = threading.Lock()
+
+
 def write_table(client: MlflowClient, run_id: str, rows: list[dict], artifact_file: str, folder: Path) -> None:
     """Replace the table artifact ``artifact_file`` with ``rows`` and list it in ``mlflow.loggedArtifacts``."""
     local = folder / Path(artifact_file).name
     pd.DataFrame(rows).to_json(local, orient="split", index=False, date_format="iso")
     client.log_artifact(run_id, str(local), str(Path(artifact_file).parent))
-    logged = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
-    entry = {"path": artifact_file, "type": "table"}
-    if entry not in logged:
-        client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*logged, entry]))
+    with _TAG_LOCK:  # read-modify-write of one tag: two tables written from two threads must not drop one
+        logged = json.loads(client.get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        entry = {"path": artifact_file, "type": "table"}
+        if entry not in logged:
+            client.set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps([*logged, entry]))
