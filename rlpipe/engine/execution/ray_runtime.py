@@ -11,17 +11,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
 
+from rlpipe.engine import interrupt
+from rlpipe.engine.execution.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES
+from rlpipe.errors import RlpipeError
 from rlpipe.registry import load_plugins
 from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import StageContext, StageResult
@@ -38,12 +42,14 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         register_arrow_ipc()
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    ours = interrupt.installed()
     runtime_env = {"env_vars": {"MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+    interrupt.keep_over_ray(ours)  # ray.init replaces the SIGTERM handler of `rlpipe run` with sys.exit
     register_arrow_ipc()
 
 
@@ -65,8 +71,9 @@ class WorkerActor:
         self.role = role
         self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """Where this worker runs (pid and host), for messages that name it."""
+        return f"pid {os.getpid()} on {socket.gethostname()}"
 
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
         return run_stage(kind, impl, params, batch, ctx, self.state)
@@ -86,6 +93,10 @@ def free_address() -> str:
         return f"127.0.0.1:{sock.getsockname()[1]}"
 
 
+class WorkerDied(RlpipeError):
+    """A worker actor died (killed, out of memory, crashed) while the run needed it."""
+
+
 class WorkerGroup:
     """The workers of one role."""
 
@@ -97,13 +108,27 @@ class WorkerGroup:
             WorkerActor.options(max_concurrency=max_concurrency).remote(role, rank, size, config, address)
             for rank in range(size)
         ]
+        self.where = ["" for _ in self.actors]
+        """Per rank: the worker's pid and host once it is ready."""
+        self.killed: set[int] = set()
+        """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
 
     @property
     def size(self) -> int:
         return len(self.actors)
 
+    def name(self, rank: int) -> str:
+        """``role[rank] (pid N on host)``: how messages name one worker."""
+        where = f" ({self.where[rank]})" if self.where[rank] else ""
+        return f"{self.role}[{rank}]{where}"
+
     def ready(self) -> None:
-        ray.get([a.ready.remote() for a in self.actors])
+        self.where = ray.get([a.ready.remote() for a in self.actors])
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker now (a hung one: it cannot run ``close``); its engine server dies with it."""
+        self.killed.add(rank)
+        ray.kill(self.actors[rank])
 
     def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
         actors = self.actors if rank is None else [self.actors[rank]]
@@ -139,11 +164,12 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
-        closing = [a.close.remote() for g in self.groups.values() for a in g.actors]
+        closing = [a.close.remote() for g in self.groups.values() for r, a in enumerate(g.actors) if r not in g.killed]
         try:
             ray.get(closing, timeout=CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a dead or stuck worker must not keep the others alive
-            log.warning("closing workers: %s; killing them (engine servers die with their actor)", exc)
+            log.warning("closing workers: %s; killing them (engine servers die with their actor)",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)
@@ -151,17 +177,56 @@ class RayBackend:
     def group_size(self, role: str) -> int:
         return self.groups[role].size if role in self.groups else 1
 
-    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
-        return ray.get(run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx))
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
+                 timeout_s: float | None = None) -> StageResult:
+        ref = run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx)
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)  # kills the task's worker process
+            raise StageTimeout(timeout_s, f"a Ray task (task id {ref.task_id().hex()}, cancelled)") from None
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
-                       ctxs: list[StageContext]) -> list[StageResult]:
-        actors = self.groups[role].actors
-        return ray.get([a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(actors, tables, ctxs)])
+                       ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
+        group = self.groups[role]
+        refs = [a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(group.actors, tables, ctxs)]
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            ranks = [refs.index(ref) for ref in late]
+            for rank in ranks:
+                group.kill(rank)
+            raise StageTimeout(timeout_s, "worker " + ", ".join(group.name(r) for r in ranks) + " (killed)")
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
+            who = group.name(rank) if rank is not None else f"a {role} worker"
+            raise WorkerDied(f"worker {who} died while running stage {kind}/{impl} at step {ctxs[0].step}: "
+                             f"{_first_line(exc)}") from None
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         group = self.groups[role]
         return shard_rows(table, group.size, group.sharded, dp_rank_column)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _died(ref: ray.ObjectRef) -> bool:
+    """Whether ``ref`` is ready and failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - not ready, or another error: not this one
+        return False
+    return False
+
+
+ORIGINS_KEPT = 4096
+"""How many recent worker-call futures remember which worker they went to (to name a dead one)."""
 
 
 class RayWorkerCalls(DeferredCalls):
@@ -169,18 +234,39 @@ class RayWorkerCalls(DeferredCalls):
 
     def __init__(self, groups: dict[str, WorkerGroup]):
         self.groups = groups
+        self._origin: dict[ray.ObjectRef, tuple[str, int]] = {}
+        self._origin_lock = threading.Lock()  # the async modes' helper threads call too
         super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return self.groups[role].call(method, *args, rank=rank, **kwargs)
+        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
 
     def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         """Like call, but returns futures that can be passed as arguments to later calls."""
-        return self.groups[role].call_async(method, *args, rank=rank, **kwargs)
+        refs = self.groups[role].call_async(method, *args, rank=rank, **kwargs)
+        with self._origin_lock:
+            for r, ref in zip(range(self.groups[role].size) if rank is None else [rank], refs):
+                self._origin[ref] = (role, r)
+            while len(self._origin) > ORIGINS_KEPT:
+                del self._origin[next(iter(self._origin))]
+        return refs
 
     def resolve(self, futures: list[Any]) -> list[Any]:
-        """The values of ``call_async`` results (blocks until they are ready)."""
-        return ray.get(list(futures))
+        """The values of ``call_async`` results (blocks until they are ready); a dead worker is a
+        :class:`WorkerDied` naming it (role, rank, pid)."""
+        futures = list(futures)
+        try:
+            return ray.get(futures)
+        except ray.exceptions.RayActorError as exc:
+            dead = next((ref for ref in futures if _died(ref)), None)
+            with self._origin_lock:
+                origin = self._origin.get(dead) if dead is not None else None
+            who = f"worker {self.groups[origin[0]].name(origin[1])}" if origin else "a worker"
+            raise WorkerDied(f"{who} died: {_first_line(exc)}") from None
+        finally:
+            with self._origin_lock:
+                for ref in futures:
+                    self._origin.pop(ref, None)
 
     def has_role(self, role: str) -> bool:
         return role in self.groups
