@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages."""
+"""``rlpipe`` command line: run, validate, stages, spool replay."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["run"].add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
                                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
+    spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
+    spool_sub = spool.add_subparsers(dest="spool_command", required=True)
+    replay = spool_sub.add_parser("replay", help="send a run's spooled tracking calls to MLflow, into the same run")
+    replay.add_argument("path", help="the spool file, <output_dir>/<run>/tracking_spool.jsonl")
+    replay.add_argument("--tracking-uri", default=None,
+                        help="send them to this store instead of the one the run used")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
     try:
@@ -33,10 +39,17 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(args.pipeline, args.override)
         if args.command == "run":
             return _run(args.pipeline, args.override, args.resume)
+        if args.command == "spool":
+            return _spool_replay(args.path, args.tracking_uri)
         return _stages()
     except RlpipeError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
         return 2
+    except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly
+        code = getattr(exc, "exit_code", 130)
+        console.print(f"[bold yellow]stopped[/]: {exc or 'interrupted'}; the run is marked KILLED and its "
+                      "workers are closed", highlight=False, markup=True, soft_wrap=True)
+        return code
 
 
 def _validate(path: str, overrides: list[str]) -> int:
@@ -59,10 +72,12 @@ def _validate(path: str, overrides: list[str]) -> int:
 def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from rlpipe.engine import interrupt
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
 
     config, text = load_pipeline(path, overrides)
+    interrupt.install()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task(config.name, total=config.trainer.total_steps, status="starting Ray")
@@ -80,6 +95,14 @@ def _run(path: str, overrides: list[str], resume: str | None = None) -> int:
         uri = config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
         out.print(f"MLflow run id: [bold]{result.run_id}[/]  (experiment {config.tracking.experiment!r})")
         out.print(f"open it with:  mlflow ui --backend-store-uri {uri}")
+    return 0
+
+
+def _spool_replay(path: str, tracking_uri: str | None) -> int:
+    from rlpipe.engine.tracking.spool import replay_spool
+
+    run_id, calls = replay_spool(path, tracking_uri)
+    Console().print(f"[bold green]replayed[/] {calls} tracking calls into MLflow run [bold]{run_id}[/]")
     return 0
 
 
