@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly
         code = getattr(exc, "exit_code", 130)
-        console.print(f"[bold yellow]stopped[/]: {exc or 'interrupted'}; the run is marked KILLED and its "
+        console.print(f"[bold yellow]interrupted[/]: {exc or 'stopped by SIGINT'}; the run is marked KILLED and its "
                       "workers are closed", highlight=False, markup=True, soft_wrap=True)
         return code
 
