@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import pyarrow as pa
 import ray
 
 from rlpipe.engine import interrupt
-from rlpipe.engine.execution.deadline import StageTimeout
+from rlpipe.engine.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous
@@ -104,8 +105,10 @@ class WorkerGroup:
         self.role = role
         self.sharded = sharded
         address = free_address() if sharded and size > 1 else None
+        tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency).remote(role, rank, size, config, address)
+            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{role}:{rank}:{tag}")
+            .remote(role, rank, size, config, address)
             for rank in range(size)
         ]
         self.where = ["" for _ in self.actors]
@@ -164,12 +167,20 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
-        closing = [a.close.remote() for g in self.groups.values() for r, a in enumerate(g.actors) if r not in g.killed]
-        try:
-            ray.get(closing, timeout=CLOSE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a dead or stuck worker must not keep the others alive
-            log.warning("closing workers: %s; killing them (engine servers die with their actor)",
-                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        closing = {a.close.remote(): g.name(r) for g in self.groups.values() for r, a in enumerate(g.actors)
+                   if r not in g.killed}
+        _, stuck = ray.wait(list(closing), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S) if closing else ([], [])
+        for ref, name in closing.items():
+            if ref in stuck:
+                log.warning("worker %s did not close within %.0f s; killing it (an engine server it owns dies "
+                            "with it)", name, CLOSE_TIMEOUT_S)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                log.info("worker %s was already gone at shutdown", name)
+            except Exception as exc:  # noqa: BLE001 - a failing close must not keep the others alive
+                log.warning("closing worker %s: %s", name, _first_line(exc))
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)
@@ -262,7 +273,8 @@ class RayWorkerCalls(DeferredCalls):
             with self._origin_lock:
                 origin = self._origin.get(dead) if dead is not None else None
             who = f"worker {self.groups[origin[0]].name(origin[1])}" if origin else "a worker"
-            raise WorkerDied(f"{who} died: {_first_line(exc)}") from None
+            raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
+                             "/tmp/ray/session_latest/logs, by pid)") from None
         finally:
             with self._origin_lock:
                 for ref in futures:
