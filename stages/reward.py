@@ -8,9 +8,9 @@ fan out). The sequence score is written as ``reward`` and placed on the last
 ``response_mask == 1`` token as ``token_rewards`` (verl's reward placement).
 
 Rows whose scorer reports an infrastructure failure (:class:`ScorerInfraError`),
-or whose scorer call runs past ``scorer_timeout_s``, get ``status = "failed"`` and reward 0: downstream they are excluded from group
-filtering and advantages instead of being taught as wrong. Rows already failed
-are not scored. Other statuses (ok, truncated) are scored as they are.
+or whose scorer call runs past ``scorer_timeout_s``, get ``status = "failed"`` and
+reward 0: downstream they are excluded from group filtering and advantages instead
+of being taught as wrong. Rows already failed are not scored. Other statuses (ok, truncated) are scored as they are.
 
 The scorer timeout: each scorer call runs in a daemon thread that the stage waits
 on for ``scorer_timeout_s``. Scorers are in-process callables (built-ins, plugins,

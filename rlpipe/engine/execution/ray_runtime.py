@@ -49,7 +49,10 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        # "local": start a Ray of our own; with no address, ray.init joins whatever Ray instance
+        # another process last started on this machine (/tmp/ray/ray_current_cluster)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                 log_to_driver=True)
     interrupt.keep_over_ray(ours)  # ray.init replaces the SIGTERM handler of `rlpipe run` with sys.exit
     register_arrow_ipc()
 
