@@ -116,3 +116,16 @@ def test_a_hung_scorer_in_a_ray_task_marks_rows_failed(ray_session, tmp_path):
     assert observer.status == "FINISHED"
     assert all(m["reward/failed_rows"] == 4.0 and m["reward/scorer_timeouts"] == 1.0
                for m in observer.metrics.values())
+
+
+@pytest.mark.e2e
+def test_a_worker_stage_past_its_timeout_kills_the_worker_and_names_it(ray_session, tmp_path):
+    raw = _raw(tmp_path, steps=1)
+    for stage in raw["stages"]:
+        if stage["kind"] == "old_log_prob":
+            stage["timeout_s"] = 0.001  # a forward pass on the actor worker cannot answer within 1 ms
+    with pytest.raises(StageError) as caught:
+        run_pipeline(validate_config(raw), "", observer=Recorder())
+    err = caught.value
+    assert (err.kind, err.impl, err.step) == ("old_log_prob", "trainer", 0)
+    assert "no result after timeout_s=0.001 s on worker actor[0] (pid " in str(err) and "(killed)" in str(err)
