@@ -20,7 +20,11 @@ any of them. A thread cannot be killed, so a scorer that never returns is
 *abandoned*: the wait is bounded, its rows are marked failed (counted in
 ``reward/scorer_timeouts``), and the thread ends with its process (a daemon thread
 never keeps a process alive). A scorer that needs hard limits on what it runs
-(time, memory, CPU) runs its own subprocess, as ``code`` does.
+(time, memory, CPU) runs its own subprocess, as ``code`` does. One cost: the
+``math`` scorer's per-answer timeouts (math_verify's ``signal.alarm``) work only on
+the main thread, so on the scorer thread they are off and one pathological answer
+runs the whole call into ``scorer_timeout_s`` (``scorer_timeout_s: null`` keeps them,
+with the call unbounded).
 
 Left out: a ``weighted`` impl combining rule, discriminative-RM and
 generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
