@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, spool replay."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="when stderr is not a terminal: one progress line every N steps (default 1)")
     sub.add_parser("stages", help="list every kind, its registered implementations and their params")
     cli_lineage.add_commands(sub)
+    spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
+    spool_sub = spool.add_subparsers(dest="spool_command", required=True)
+    replay = spool_sub.add_parser("replay", help="send a run's spooled tracking calls to MLflow, into the same run")
+    replay.add_argument("path", help="the spool file, <output_dir>/<run>/tracking_spool.jsonl")
+    replay.add_argument("--tracking-uri", default=None,
+                        help="send them to this store instead of the one the run used")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
     try:
@@ -49,10 +55,17 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend)
         if args.command in ("lineage", "replay", "runs"):
             return cli_lineage.run_command(args)
+        if args.command == "spool":
+            return _spool_replay(args.path, args.tracking_uri)
         return _stages()
     except RlpipeError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
         return 2
+    except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly
+        code = getattr(exc, "exit_code", 130)
+        console.print(f"[bold yellow]interrupted[/]: {exc or 'stopped by SIGINT'}; the run is marked KILLED and its "
+                      "workers are closed", highlight=False, markup=True, soft_wrap=True)
+        return code
 
 
 def _validate(path: str, overrides: list[str]) -> int:
@@ -76,12 +89,14 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
          fork: bool = False, extend: bool = False) -> int:
     import time
 
+    from rlpipe.engine import interrupt
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
     from rlpipe.engine.tracking.runs import resolve_tracking_uri, ui_route
     from rlpipe.progress import RunEnd, reporter
 
     config, text = load_pipeline(path, overrides)
+    interrupt.install()
     started = time.time()
     progress = reporter(config.name, config.trainer.total_steps, every=log_every)
     try:
@@ -99,6 +114,14 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
     progress.finish(RunEnd(steps=result.steps, wall_s=time.time() - started, model_dir=result.model_dir,
                            checkpoint_dir=result.checkpoint_dir, run_id=result.run_id if config.tracking.enabled else None,
                            ui_command=ui, reward=result.final_metrics.get("reward/mean"), ui_route=route))
+    return 0
+
+
+def _spool_replay(path: str, tracking_uri: str | None) -> int:
+    from rlpipe.engine.tracking.spool import replay_spool
+
+    run_id, calls = replay_spool(path, tracking_uri)
+    Console().print(f"[bold green]replayed[/] {calls} tracking calls into MLflow run [bold]{run_id}[/]")
     return 0
 
 

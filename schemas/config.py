@@ -225,6 +225,16 @@ class TrackingConfig(Strict):
     record_batches_every: int = Field(0, ge=0)
     """Every N steps, keep each node's input batch (batches/step_<S>/<node>.parquet) so `rlpipe replay`
     can re-run a stage on it; 0 = never (batches cost disk: rows × tokens per node)."""
+    drain_timeout_s: float = Field(120.0, gt=0)
+    """Longest the end of a run waits for tracking calls still queued (a server that went away); what is
+    not delivered by then is written to `<output_dir>/<run>/tracking_spool.jsonl`, which
+    `rlpipe spool replay PATH` sends to MLflow later."""
+    http_timeout_s: int = Field(30, ge=1)
+    """Timeout of one HTTP request to a tracking server (MLflow's MLFLOW_HTTP_REQUEST_TIMEOUT, default 120,
+    which wins when set in the environment)."""
+    http_max_retries: int = Field(2, ge=0, le=10)
+    """Retries of a failed HTTP request to a tracking server (MLflow's MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    default 7: minutes of backoff per call; the environment variable wins when set)."""
 
 
 class StageConfig(Strict):
@@ -238,6 +248,10 @@ class StageConfig(Strict):
     """Node name (defaults to the kind); must be unique in the pipeline."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Params of the implementation, validated by its params model."""
+    timeout_s: float | None = Field(3600.0, gt=0)
+    """Longest one execution of this node may take, in seconds; past it the run fails with an error naming
+    the stage, impl, step and worker (a hung Ray task is cancelled, a hung worker actor killed). None waits
+    forever. The default bounds a hang without tripping slow real steps; lower it for small models."""
 
     @property
     def node_name(self) -> str:

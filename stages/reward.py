@@ -7,10 +7,24 @@ scorer at a time (each scorer sees all of its rows at once, so it can vectorize 
 fan out). The sequence score is written as ``reward`` and placed on the last
 ``response_mask == 1`` token as ``token_rewards`` (verl's reward placement).
 
-Rows whose scorer reports an infrastructure failure (:class:`ScorerInfraError`)
-get ``status = "failed"`` and reward 0: downstream they are excluded from group
-filtering and advantages instead of being taught as wrong. Rows already failed
-are not scored. Other statuses (ok, truncated) are scored as they are.
+Rows whose scorer reports an infrastructure failure (:class:`ScorerInfraError`),
+or whose scorer call runs past ``scorer_timeout_s``, get ``status = "failed"`` and
+reward 0: downstream they are excluded from group filtering and advantages instead
+of being taught as wrong. Rows already failed are not scored. Other statuses (ok, truncated) are scored as they are.
+
+The scorer timeout: each scorer call runs in a daemon thread that the stage waits
+on for ``scorer_timeout_s``. Scorers are in-process callables (built-ins, plugins,
+closures registered by a test), so a separate process could not always find them,
+and forking a multi-threaded Ray worker can deadlock the child; a thread can run
+any of them. A thread cannot be killed, so a scorer that never returns is
+*abandoned*: the wait is bounded, its rows are marked failed (counted in
+``reward/scorer_timeouts``), and the thread ends with its process (a daemon thread
+never keeps a process alive). A scorer that needs hard limits on what it runs
+(time, memory, CPU) runs its own subprocess, as ``code`` does. One cost: the
+``math`` scorer's per-answer timeouts (math_verify's ``signal.alarm``) work only on
+the main thread, so on the scorer thread they are off and one pathological answer
+runs the whole call into ``scorer_timeout_s`` (``scorer_timeout_s: null`` keeps them,
+with the call unbounded).
 
 Left out: a ``weighted`` impl combining rule, discriminative-RM and
 generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
@@ -22,7 +36,9 @@ stage decoded it.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -45,6 +61,8 @@ from rlpipe.schemas.batch import (
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
 from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError
 
+log = logging.getLogger(__name__)
+
 
 class RuleRewardParams(StageParams):
     """Routing of rows to rule-based scorers."""
@@ -58,6 +76,10 @@ class RuleRewardParams(StageParams):
     """Scorer for data_sources that are neither routed nor a scorer name; None makes them an error."""
     scorer_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Keyword options per scorer name, e.g. {code: {timeout_s: 10, memory_mb: 2048}}."""
+    scorer_timeout_s: float | None = Field(300.0, gt=0)
+    """Longest one scorer call (all rows routed to one scorer in one batch) may take, in seconds; past it
+    those rows are infrastructure failures (status `failed`, excluded from advantages and reward/mean) and
+    the hung call is abandoned. None waits forever. Keep it below the stage's `timeout_s`."""
 
     @model_validator(mode="after")
     def _scorers_exist(self) -> "RuleRewardParams":
@@ -98,18 +120,51 @@ def _checked(name: str, scores: Any, n: int) -> np.ndarray:
     return scores
 
 
-def score_rows(responses: pa.Array, truths: pa.Array, name: str, options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, infra_failed) of one scorer over its rows; infra-failed rows score 0."""
+class ScorerTimeout(ScorerInfraError):
+    """A scorer call ran past ``scorer_timeout_s``: all of its rows are infrastructure failures."""
+
+
+def call_scorer(name: str, responses: pa.Array, truths: pa.Array, options: dict[str, Any],
+                timeout_s: float | None) -> Any:
+    """The scorer's scores, waiting at most ``timeout_s`` (module docstring: why a daemon thread)."""
+    fn = SCORERS.get(name)
+    if timeout_s is None:
+        return fn(responses, truths, **options)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["scores"] = fn(responses, truths, **options)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the stage's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"rlpipe-scorer-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("scorer %r gave no scores for %d rows within scorer_timeout_s=%g s; those rows are marked "
+                    "failed and the call is abandoned", name, len(responses), timeout_s)
+        raise ScorerTimeout(f"scorer {name!r} timed out after {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["scores"]
+
+
+def score_rows(responses: pa.Array, truths: pa.Array, name: str, options: dict[str, Any],
+               timeout_s: float | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(scores, infra_failed, timed_out) of one scorer over its rows; infra-failed rows score 0."""
     n = len(responses)
     failed = np.zeros(n, dtype=bool)
+    timed_out = False
     try:
-        scores = SCORERS.get(name)(responses, truths, **options)
+        scores = call_scorer(name, responses, truths, options, timeout_s)
     except ScorerInfraError as exc:
+        timed_out = isinstance(exc, ScorerTimeout)
         failed[np.arange(n) if exc.failed is None else exc.failed] = True
         scores = np.zeros(n, np.float32) if exc.scores is None else exc.scores
     scores = _checked(name, scores, n).copy()
     scores[failed] = 0.0
-    return scores, failed
+    return scores, failed, timed_out
 
 
 def _metric_name(source: str) -> str:
@@ -137,12 +192,15 @@ def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) ->
     responses, truths = batch.column(RESPONSE_TEXT), batch.column(GROUND_TRUTH)
     scores = np.zeros(n, dtype=np.float32)
     infra = np.zeros(n, dtype=bool)
+    timeouts = 0
     for name in sorted(set(route.values())):
         rows = np.flatnonzero((scorer_of_row == name) & ~skipped)
         if rows.size:
-            scores[rows], infra[rows] = score_rows(
-                responses.take(rows), truths.take(rows), name, params.scorer_params.get(name, {})
+            scores[rows], infra[rows], timed_out = score_rows(
+                responses.take(rows), truths.take(rows), name, params.scorer_params.get(name, {}),
+                params.scorer_timeout_s,
             )
+            timeouts += timed_out
 
     new_status = pc.if_else(pa.array(infra), pa.scalar(STATUS_FAILED), status)
     columns = {
@@ -150,7 +208,9 @@ def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) ->
         TOKEN_REWARDS: last_token_placement(scores, batch.column(RESPONSE_MASK)),
         STATUS: new_status.combine_chunks() if isinstance(new_status, pa.ChunkedArray) else new_status,
     }
-    return StageResult(columns=columns, metrics=_metrics(scores, ~skipped & ~infra, source_of_row, sources, infra))
+    metrics = _metrics(scores, ~skipped & ~infra, source_of_row, sources, infra)
+    metrics["reward/scorer_timeouts"] = float(timeouts)
+    return StageResult(columns=columns, metrics=metrics)
 
 
 def _metrics(scores, valid, source_of_row, sources, infra) -> dict[str, float]:

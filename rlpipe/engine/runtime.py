@@ -25,6 +25,7 @@ from rlpipe.engine.execution.executor import Backend, StepExecutor
 from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
+from rlpipe.engine.tracking.spool import SPOOL_NAME
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.resume import plan_resume
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
@@ -65,7 +66,7 @@ class Runtime:
         self.run_id = run_id
         self.on_step = on_step
         self.start_step = 0
-        self.output_dir = str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
+        self.output_dir = run_output_dir(config, run_id)
         self.tokenizer = build_tokenizer(config.tokenizer)
         self.loader = PromptLoader(config.data, self.tokenizer, config.seed)
         self.backend = backend
@@ -162,7 +163,18 @@ def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
     from rlpipe.engine.tracking.background_observer import BackgroundObserver
     from rlpipe.engine.tracking.mlflow_observer import MLflowObserver
 
-    return BackgroundObserver(MLflowObserver(config.tracking, config.name, resume_run_id=resume_run_id, tags=tags))
+    tracking = config.tracking
+    # bound every MLflow HTTP call (its defaults retry one call for minutes); the user's environment wins
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(tracking.http_timeout_s))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tracking.http_max_retries))
+    inner = MLflowObserver(tracking, config.name, resume_run_id=resume_run_id, tags=tags)
+    return BackgroundObserver(inner, tracking.drain_timeout_s,
+                              spool_path=lambda run_id: Path(run_output_dir(config, run_id)) / SPOOL_NAME)
+
+
+def run_output_dir(config: PipelineConfig, run_id: str) -> str:
+    """``<trainer.output_dir>/<name>-<run id[:8]>``: where a run's models, checkpoints and tracking spool go."""
+    return str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
@@ -210,8 +222,8 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         model_dir = runtime.save_model("final")
         if config.trainer.checkpoint_every:  # what --extend continues from
             checkpoint.save(runtime, config.trainer.total_steps)
-    except KeyboardInterrupt:
-        observer.on_run_end("KILLED", "interrupted")
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGINT/SIGTERM under `rlpipe run` (rlpipe.engine.interrupt)
+        observer.on_run_end("KILLED", str(exc) or "interrupted")
         raise
     except BaseException as exc:
         observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")

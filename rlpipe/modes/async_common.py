@@ -197,9 +197,14 @@ class AsyncMode(Mode):
         metrics["async/trainer_idle_fraction"] = wait_s / max(wait_s + train_s, 1e-9)
         rt.end_step(step, table, metrics)
 
-    def stop_pool(self) -> None:
+    def stop_pool(self, after_failure: bool = False) -> None:
+        """Settle a deferred push and clear the replicas' services; ``after_failure``: the run already failed,
+        so whatever fails here is a consequence (logged in one line), not news."""
         try:
             self.runtime.workers.settle()  # a deferred weight push still loading
-        except Exception:  # noqa: BLE001 - the run is ending; a failure here must not hide the first one
-            log.exception("a deferred weight push failed while the run ended")
+        except Exception as exc:  # noqa: BLE001 - the run is ending; a failure here must not hide the first one
+            if after_failure:
+                log.info("a deferred weight push failed while the run ended: %s", exc)
+            else:
+                log.exception("a deferred weight push failed while the run ended")
         self.runtime.workers.call("rollout", "service_clear")

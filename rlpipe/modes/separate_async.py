@@ -16,27 +16,53 @@ The buffer bounds staleness (drop or wait); the guard proves it.
 
 When a generation-side stage runs on workers rather than as a task, the driver
 submits, collects and scores between steps instead (``_run_driver_collected``).
+Failures: a replica whose actor dies is one error naming it (``worker rollout[i]
+(pid …) died``); the pool's cleanup after a failure never hides that first error.
+A pool that makes no progress at all — no token generated, no prompt pulled, no
+group stored by any replica — for ``stall_timeout_s`` while the trainer waits
+for a batch fails the run, naming each replica's state (a hung feeder loop, an
+engine step that never returns).
+
 Left out: the hybrid "borrow" of the trainer as a rollout engine when the pool
 starves (optional in the issue).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from pydantic import Field
+
 from rlpipe.engine.state.rollout_feeder import HeadStage
 from rlpipe.errors import ConfigError, RlpipeError
-from rlpipe.modes.async_common import AsyncMode, check_async
+from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async
 from rlpipe.registry import registry
+
+log = logging.getLogger(__name__)
 
 HEALTH_CHECK_S = 1.0
 """How long the driver waits for a batch before checking that the replicas' feeders are alive."""
 
 
+class SeparateAsyncParams(AsyncParams):
+    """Params of the separate_async mode."""
+
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Fail the run when, while the trainer waits for a batch, no rollout replica has generated a token,
+    pulled a prompt or stored a group for this many seconds (a hung feeder or engine)."""
+
+
+class RolloutStalled(RlpipeError):
+    """The rollout pool made no progress for ``stall_timeout_s`` while the trainer waited."""
+
+
 @registry("mode").register("separate_async")
 class SeparateAsyncMode(AsyncMode):
     """Continuous generation into a replay buffer, bounded by the staleness guard."""
+
+    Params = SeparateAsyncParams
 
     @classmethod
     def check(cls, config, plan) -> None:
@@ -60,8 +86,13 @@ class SeparateAsyncMode(AsyncMode):
                 self._run_fed()
             else:
                 self._run_driver_collected()
-        finally:
-            self.stop_pool()
+        except BaseException:
+            try:  # the first error is the one to report: a dead replica also fails the cleanup
+                self.stop_pool(after_failure=True)
+            except Exception as cleanup:  # noqa: BLE001
+                log.info("stopping the rollout pool after the failure: %s", cleanup)
+            raise
+        self.stop_pool()
 
     @property
     def replicas_score(self) -> bool:
@@ -84,6 +115,8 @@ class SeparateAsyncMode(AsyncMode):
                 self._refills = [refills.submit(self._top_up, step)]
                 while (batch := self.sampler("sample_wait", groups, step, HEALTH_CHECK_S)) is None:
                     self._drain(step)  # raises a replica's failure instead of waiting for it forever
+                    self._check_progress(step, groups)
+                self._progress = None
                 # replace the consumed groups while the trainer trains (joined before the step ends)
                 self._refills.append(refills.submit(self._top_up, step))
                 self.train(step, batch, time.time() - waited, self.params.max_off_policy_threshold)
@@ -96,7 +129,7 @@ class SeparateAsyncMode(AsyncMode):
 
     def _start_feeders(self) -> None:
         rt = self.runtime
-        head = [HeadStage(n.name, n.kind, n.impl, n.params_dict, dict(n.writes)) for n in self.head]
+        head = [HeadStage(n.name, n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s) for n in self.head]
         groups = rt.config.data.prompts_per_step
         capacity = self.params.capacity_steps * groups
         # a replica stores a quarter of its share of a step at a time (or what it has after poll_s):
@@ -122,7 +155,34 @@ class SeparateAsyncMode(AsyncMode):
             for record in report["records"]:
                 self.runtime.executor.record_external(step, nodes[record.pop("node")], worker=f"rollout[{replica}]",
                                                       **record)
+        self._reports = reports
         return [report["stats"] for report in reports]
+
+    _progress: tuple[tuple, float] | None = None
+    _reports: list[dict] = []
+
+    def _check_progress(self, step: int, groups: int) -> None:
+        """Fail with each replica's state when the pool made no progress for ``stall_timeout_s``."""
+        marks = tuple((r["stats"].get("tokens_generated", 0.0), r["counts"]["pulled"], r["counts"]["stored_groups"])
+                      for r in self._reports)
+        now = time.monotonic()
+        if self._progress is None or self._progress[0] != marks:
+            self._progress = (marks, now)
+            return
+        if now - self._progress[1] < self.params.stall_timeout_s:
+            return
+        states = "; ".join(
+            f"replica {rank}: feeder loop last turned {r['loop_age_s']:.0f} s ago, "
+            f"{r['stats'].get('running_requests', 0):.0f} requests running, "
+            f"{r['stats'].get('queued_requests', 0):.0f} queued, {r['counts']['stored_groups']} groups stored so far"
+            for rank, r in enumerate(self._reports))
+        raise RolloutStalled(
+            f"separate_async: the rollout pool made no progress for {now - self._progress[1]:.0f} s (no token "
+            f"generated, no prompt pulled, no group stored) while step {step} waits for {groups} groups; {states}. "
+            "A feeder loop that stopped turning is stuck in a call (the reward stage, the replay buffer); an engine "
+            "with running requests and no tokens is hung: see that replica's log. If generation is only this slow, "
+            "raise mode_params.stall_timeout_s"
+        )
 
     def rollout_report(self, step: int):
         if not self.replicas_score:

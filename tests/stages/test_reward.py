@@ -1,5 +1,8 @@
 """The rule reward stage: routing by data_source, last-token placement, infra failures, metrics."""
 
+import threading
+import time
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -30,7 +33,17 @@ def out_of_range(responses, ground_truths):
     return np.full(len(responses), 2.0)
 
 
-for name, fn in (("test_reward_flaky", flaky), ("test_reward_out_of_range", out_of_range)):
+HANG = threading.Event()
+
+
+def hangs(responses, ground_truths):
+    """Test scorer: never returns (until the test releases it)."""
+    HANG.wait()
+    return np.ones(len(responses), np.float32)
+
+
+for name, fn in (("test_reward_flaky", flaky), ("test_reward_out_of_range", out_of_range),
+                 ("test_reward_hangs", hangs)):
     if name not in SCORERS:
         SCORERS.add(name, fn)
 
@@ -125,4 +138,25 @@ def test_contract_and_empty_batch():
                                           "status": pa.string()}
     assert spec.placement == "task"
     result = rule_reward(batch([], [], [], []), params, CTX)
-    assert result.columns["reward"].to_pylist() == [] and result.metrics == {"reward/infra_failures": 0.0}
+    assert result.columns["reward"].to_pylist() == [] and result.metrics == {"reward/infra_failures": 0.0,
+                                                                               "reward/scorer_timeouts": 0.0}
+
+
+def test_a_scorer_that_never_returns_marks_its_rows_failed_after_scorer_timeout_s():
+    table = batch(["hang", "hang", "digits"], ["1", "2", "12"], ["1", "2", "12"], [[1], [1], [1, 1]])
+    params = RuleRewardParams(routes={"hang": "test_reward_hangs"}, scorer_timeout_s=0.5)
+    start = time.monotonic()
+    try:
+        result = rule_reward(table, params, CTX)
+    finally:
+        HANG.set()  # release the abandoned thread
+    assert time.monotonic() - start < 5
+    assert result.columns["status"].to_pylist() == ["failed", "failed", "ok"]
+    assert result.columns["reward"].to_pylist() == [0.0, 0.0, 1.0]
+    assert result.metrics["reward/scorer_timeouts"] == 1.0 and result.metrics["reward/infra_failures"] == 2.0
+    assert result.metrics["reward/mean"] == 1.0  # the failed rows are not averaged in
+
+
+def test_scorer_timeout_must_be_positive():
+    with pytest.raises(ValidationError, match="scorer_timeout_s"):
+        RuleRewardParams(scorer_timeout_s=0)

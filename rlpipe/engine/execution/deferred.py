@@ -33,7 +33,8 @@ class DeferredCalls:
             try:
                 results.extend(self.resolve(futures))
             except Exception as exc:
-                raise RlpipeError(f"{failure}: {exc}") from exc
+                # our own errors already say what failed (e.g. a dead worker, named): one message, no chain
+                raise RlpipeError(f"{failure}: {exc}") from (None if isinstance(exc, RlpipeError) else exc)
         return results
 
     def resolve(self, futures: list[Any]) -> list[Any]:

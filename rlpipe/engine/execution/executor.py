@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
+from rlpipe.engine.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
@@ -36,10 +37,15 @@ class Backend(Protocol):
 
     def group_size(self, role: str) -> int: ...
 
-    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult: ...
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
+                 timeout_s: float | None = None) -> StageResult:
+        """The stage as a task; :class:`StageTimeout` after ``timeout_s`` (None: no limit)."""
+        ...
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
-                       ctxs: list[StageContext]) -> list[StageResult]: ...
+                       ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
+        """The stage on every worker of ``role``; :class:`StageTimeout` naming the late ones after ``timeout_s``."""
+        ...
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]: ...
 
@@ -105,6 +111,11 @@ class StepExecutor:
             result = self._dispatch(node, table, ctx)
             out = apply_result(node, table, result)
         except Exception as exc:
+            if isinstance(exc, StageTimeout):
+                exc = StageError(node.kind, node.impl, step, (
+                    f"node {node.name!r} timed out: {exc}. If the stage is only slow, raise its `timeout_s` "
+                    f"(-o stages.{node.name}.timeout_s=SECONDS); otherwise look for what hangs in that worker's log"
+                ))
             error = _stage_error(node, step, exc)
             self._record_failure(step, node, table, input_fp, start, error)
             if error is exc:
@@ -175,16 +186,18 @@ class StepExecutor:
         spec = node.spec
         params = node.params_dict
         if spec.placement == "task":
-            return self.backend.run_task(node.kind, node.impl, params, table, ctx)
+            return self.backend.run_task(node.kind, node.impl, params, table, ctx, node.timeout_s)
         if spec.placement == "driver":
-            return spec.fn(table, node.params, dataclasses.replace(ctx, workers=self.backend.workers))
+            driver_ctx = dataclasses.replace(ctx, workers=self.backend.workers)
+            return call_with_deadline(lambda: spec.fn(table, node.params, driver_ctx), node.timeout_s,
+                                      "the driver (a driver stage waiting on its workers)")
         shards = self.backend.shards(spec.role, table, DP_RANK)
         if spec.role == "rollout" and spec.creates_rows and UID in table.column_names:
             for replica, rows in enumerate(shards):
                 self.note_replicas(table.column(UID).take(pa.array(rows)).to_pylist(), replica)
         tables = [_rows(table, rows) for rows in shards]
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
-        results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs)
+        results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs, node.timeout_s)
         return merge_results(results, shards, spec.creates_rows)
 
 

@@ -4,6 +4,12 @@ Used to measure the engine's overhead (``benchmarks/engine_overhead.py``: the
 DAG on Ray vs the same stage functions called inline) and to check that Ray
 execution changes nothing (tests). Data-parallel roles must have one worker
 here: gloo ranks need processes of their own.
+
+Timeouts: a stage here is a Python call in this process, which nothing can
+preempt. Each stage runs in a daemon thread that the executor waits on for the
+node's ``timeout_s`` (:func:`~rlpipe.engine.deadline.call_with_deadline`);
+past it the run fails naming the stage, and the hung call is abandoned (it ends
+with the process).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.engine.deadline import call_with_deadline
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.stage_call import run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES
@@ -65,12 +72,17 @@ class InlineBackend:
     def group_size(self, role: str) -> int:
         return len(self.states.get(role, [None]))
 
-    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
-        return run_stage(kind, impl, params, table, ctx)
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
+                 timeout_s: float | None = None) -> StageResult:
+        return call_with_deadline(lambda: run_stage(kind, impl, params, table, ctx), timeout_s,
+                                  "the inline backend (task stage in this process)")
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
-                       ctxs: list[StageContext]) -> list[StageResult]:
-        return [run_stage(kind, impl, params, t, c, s) for s, t, c in zip(self.states[role], tables, ctxs)]
+                       ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
+        def run_all() -> list[StageResult]:
+            return [run_stage(kind, impl, params, t, c, s) for s, t, c in zip(self.states[role], tables, ctxs)]
+
+        return call_with_deadline(run_all, timeout_s, f"the inline backend ({role} worker in this process)")
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         return shard_rows(table, len(self.states[role]), self.sharded[role], dp_rank_column)

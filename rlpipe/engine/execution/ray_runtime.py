@@ -11,17 +11,22 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import uuid
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import ray
 
+from rlpipe.engine import interrupt
+from rlpipe.engine.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES
+from rlpipe.errors import RlpipeError
 from rlpipe.registry import load_plugins
 from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import StageContext, StageResult
@@ -38,12 +43,17 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         register_arrow_ipc()
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    ours = interrupt.installed()
     runtime_env = {"env_vars": {"MLFLOW_DISABLE_TELEMETRY": "true", "TOKENIZERS_PARALLELISM": "false"}}
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env, log_to_driver=True)
+        # "local": start a Ray of our own; with no address, ray.init joins whatever Ray instance
+        # another process last started on this machine (/tmp/ray/ray_current_cluster)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                 log_to_driver=True)
+    interrupt.keep_over_ray(ours)  # ray.init replaces the SIGTERM handler of `rlpipe run` with sys.exit
     register_arrow_ipc()
 
 
@@ -65,8 +75,9 @@ class WorkerActor:
         self.role = role
         self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> str:
+        """Where this worker runs (pid and host), for messages that name it."""
+        return f"pid {os.getpid()} on {socket.gethostname()}"
 
     def node(self) -> str:
         """The id of the Ray node this worker runs on."""
@@ -98,6 +109,10 @@ def _node_address() -> str:
         return f"{ray.util.get_node_ip_address()}:{sock.getsockname()[1]}"
 
 
+class WorkerDied(RlpipeError):
+    """A worker actor died (killed, out of memory, crashed) while the run needed it."""
+
+
 PLACEMENT_SHARE = 0.001
 """How much of a node's placement resource (resources.placement) each worker asks for."""
 
@@ -116,12 +131,18 @@ class WorkerGroup:
             address, options = self._pack(size, node_resource)
         elif node_resource:
             options = [{"resources": {node_resource: PLACEMENT_SHARE}} for _ in range(size)]
+        tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency, **options[rank]).remote(role, rank, size, config, address)
+            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{role}:{rank}:{tag}", **options[rank])
+            .remote(role, rank, size, config, address)
             for rank in range(size)
         ]
         self.nodes: list[str] = []
         """Ray node id of every rank (filled by :meth:`ready`)."""
+        self.where = ["" for _ in self.actors]
+        """Per rank: the worker's pid and host once it is ready."""
+        self.killed: set[int] = set()
+        """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
 
     def _pack(self, size: int, node_resource: str | None) -> tuple[str, list[dict]]:
         """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's) and
@@ -141,9 +162,19 @@ class WorkerGroup:
     def size(self) -> int:
         return len(self.actors)
 
+    def name(self, rank: int) -> str:
+        """``role[rank] (pid N on host)``: how messages name one worker."""
+        where = f" ({self.where[rank]})" if self.where[rank] else ""
+        return f"{self.role}[{rank}]{where}"
+
     def ready(self) -> None:
-        ray.get([a.ready.remote() for a in self.actors])
+        self.where = ray.get([a.ready.remote() for a in self.actors])
         self.nodes = ray.get([a.node.remote() for a in self.actors])
+
+    def kill(self, rank: int) -> None:
+        """Kill one worker now (a hung one: it cannot run ``close``); its engine server dies with it."""
+        self.killed.add(rank)
+        ray.kill(self.actors[rank])
 
     def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
         actors = self.actors if rank is None else [self.actors[rank]]
@@ -180,11 +211,20 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
-        closing = [a.close.remote() for g in self.groups.values() for a in g.actors]
-        try:
-            ray.get(closing, timeout=CLOSE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a dead or stuck worker must not keep the others alive
-            log.warning("closing workers: %s; killing them (engine servers die with their actor)", exc)
+        closing = {a.close.remote(): g.name(r) for g in self.groups.values() for r, a in enumerate(g.actors)
+                   if r not in g.killed}
+        _, stuck = ray.wait(list(closing), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S) if closing else ([], [])
+        for ref, name in closing.items():
+            if ref in stuck:
+                log.warning("worker %s did not close within %.0f s; killing it (an engine server it owns dies "
+                            "with it)", name, CLOSE_TIMEOUT_S)
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                log.info("worker %s was already gone at shutdown", name)
+            except Exception as exc:  # noqa: BLE001 - a failing close must not keep the others alive
+                log.warning("closing worker %s: %s", name, _first_line(exc))
         for group in self.groups.values():
             for actor in group.actors:
                 ray.kill(actor)
@@ -200,17 +240,56 @@ class RayBackend:
         """Ray node ids of the role's workers (one per rank; lineage records them)."""
         return self.groups[role].nodes if role in self.groups else []
 
-    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext) -> StageResult:
-        return ray.get(run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx))
+    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
+                 timeout_s: float | None = None) -> StageResult:
+        ref = run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx)
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)  # kills the task's worker process
+            raise StageTimeout(timeout_s, f"a Ray task (task id {ref.task_id().hex()}, cancelled)") from None
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
-                       ctxs: list[StageContext]) -> list[StageResult]:
-        actors = self.groups[role].actors
-        return ray.get([a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(actors, tables, ctxs)])
+                       ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
+        group = self.groups[role]
+        refs = [a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(group.actors, tables, ctxs)]
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            ranks = [refs.index(ref) for ref in late]
+            for rank in ranks:
+                group.kill(rank)
+            raise StageTimeout(timeout_s, "worker " + ", ".join(group.name(r) for r in ranks) + " (killed)")
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
+            who = group.name(rank) if rank is not None else f"a {role} worker"
+            raise WorkerDied(f"worker {who} died while running stage {kind}/{impl} at step {ctxs[0].step}: "
+                             f"{_first_line(exc)}") from None
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         group = self.groups[role]
         return shard_rows(table, group.size, group.sharded, dp_rank_column)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _died(ref: ray.ObjectRef) -> bool:
+    """Whether ``ref`` is ready and failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - not ready, or another error: not this one
+        return False
+    return False
+
+
+ORIGINS_KEPT = 4096
+"""How many recent worker-call futures remember which worker they went to (to name a dead one)."""
 
 
 class RayWorkerCalls(DeferredCalls):
@@ -218,18 +297,40 @@ class RayWorkerCalls(DeferredCalls):
 
     def __init__(self, groups: dict[str, WorkerGroup]):
         self.groups = groups
+        self._origin: dict[ray.ObjectRef, tuple[str, int]] = {}
+        self._origin_lock = threading.Lock()  # the async modes' helper threads call too
         super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return self.groups[role].call(method, *args, rank=rank, **kwargs)
+        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
 
     def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         """Like call, but returns futures that can be passed as arguments to later calls."""
-        return self.groups[role].call_async(method, *args, rank=rank, **kwargs)
+        refs = self.groups[role].call_async(method, *args, rank=rank, **kwargs)
+        with self._origin_lock:
+            for r, ref in zip(range(self.groups[role].size) if rank is None else [rank], refs):
+                self._origin[ref] = (role, r)
+            while len(self._origin) > ORIGINS_KEPT:
+                del self._origin[next(iter(self._origin))]
+        return refs
 
     def resolve(self, futures: list[Any]) -> list[Any]:
-        """The values of ``call_async`` results (blocks until they are ready)."""
-        return ray.get(list(futures))
+        """The values of ``call_async`` results (blocks until they are ready); a dead worker is a
+        :class:`WorkerDied` naming it (role, rank, pid)."""
+        futures = list(futures)
+        try:
+            return ray.get(futures)
+        except ray.exceptions.RayActorError as exc:
+            dead = next((ref for ref in futures if _died(ref)), None)
+            with self._origin_lock:
+                origin = self._origin.get(dead) if dead is not None else None
+            who = f"worker {self.groups[origin[0]].name(origin[1])}" if origin else "a worker"
+            raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
+                             "/tmp/ray/session_latest/logs, by pid)") from None
+        finally:
+            with self._origin_lock:
+                for ref in futures:
+                    self._origin.pop(ref, None)
 
     def has_role(self, role: str) -> bool:
         return role in self.groups

@@ -44,6 +44,8 @@ class PlannedNode:
     writes: dict[str, pa.DataType]
     providers: dict[str, str] = field(default_factory=dict)
     """Read column → name of the node (or SOURCE) that provides it."""
+    timeout_s: float | None = None
+    """Longest one execution may take (the stage config's ``timeout_s``; None: unbounded)."""
 
     @property
     def params_dict(self) -> dict[str, Any]:
@@ -124,7 +126,7 @@ def _plan_node(index: int, stage_cfg) -> PlannedNode:
     params = _validate_params(spec.params_model, stage_cfg.params, f"{where}.params")
     return PlannedNode(
         stage_cfg.node_name, stage_cfg.kind, stage_cfg.impl, spec, params,
-        spec.read_columns(params), spec.write_columns(params),
+        spec.read_columns(params), spec.write_columns(params), timeout_s=stage_cfg.timeout_s,
     )
 
 

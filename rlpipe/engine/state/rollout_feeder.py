@@ -20,7 +20,9 @@ driver drains once per step and hands to the observer, so MLflow sees the same
 
 A failure (an engine error, a reward stage raising) stops the feeder; the error,
 a :class:`~rlpipe.errors.StageError` naming kind, impl and step, is raised by
-the next ``drain()``.
+the next ``drain()``. A *hung* feeder raises nothing: ``drain()`` reports how long
+ago its loop last turned (``loop_age_s``) and its cumulative counters, from which
+the driver tells a stall from slow progress (``mode_params.stall_timeout_s``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.engine.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.lineage import execution_fields
 from rlpipe.engine.stage_call import apply_result, run_stage
 from rlpipe.errors import StageError
@@ -56,6 +59,8 @@ class HeadStage:
     params: dict[str, Any]
     writes: dict[str, pa.DataType]
     """The node's declared writes; its results are checked against them, as the executor does."""
+    timeout_s: float | None = None
+    """The node's ``timeout_s``: longer and the feeder stops with a StageError naming the node."""
 
 
 class SamplerClient:
@@ -97,6 +102,8 @@ class RolloutFeeder:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._beat = time.monotonic()
+        """When the loop last started an iteration (a loop stuck in one call stops updating it)."""
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -106,6 +113,7 @@ class RolloutFeeder:
         try:
             scored, last_pull = None, 0.0
             while not self._stop.is_set():
+                self._beat = time.monotonic()
                 in_service = self.service.in_service()
                 room = max(0, self.max_groups - in_service)
                 # ask for prompts with each store, at once when about to run dry, else every few polls
@@ -150,10 +158,13 @@ class RolloutFeeder:
             ctx = StageContext(step=step, seed=self.run_seed, policy_version=int(self.service.engine.version),
                                extras=dict(self.extras))
             try:
-                result = run_stage(node.kind, node.impl, node.params, table, ctx)
+                result = call_with_deadline(lambda: run_stage(node.kind, node.impl, node.params, table, ctx),
+                                            node.timeout_s, f"{self._thread.name} (the rollout replica's feeder)")
                 out = apply_result(node, table, result)
             except StageError:
                 raise
+            except StageTimeout as exc:
+                raise StageError(node.kind, node.impl, step, f"node {node.name!r} timed out: {exc}") from None
             except Exception as exc:
                 raise StageError(node.kind, node.impl, step, exc) from exc
             rec = {"node": node.name, **execution_fields(table, out, start, time.time() - start, result.metrics, fp)}
@@ -167,12 +178,13 @@ class RolloutFeeder:
     # -- the driver's side ---------------------------------------------------------
 
     def drain(self) -> dict[str, Any]:
-        """Lineage records since the last drain and cumulative counters; raises the feeder's error."""
+        """Lineage records since the last drain, cumulative counters and the age of the loop's last turn
+        (``loop_age_s``); raises the feeder's error."""
         if self._error is not None:
             raise self._error
         with self._lock:
             records, self._records = self._records, []
-            return {"records": records, "counts": dict(self._counts)}
+            return {"records": records, "counts": dict(self._counts), "loop_age_s": time.monotonic() - self._beat}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop pulling and storing (idempotent); what is in the service stays there."""

@@ -128,14 +128,22 @@ def trajectories(run_id: str, step: int, tracking_uri: str | None = None) -> pa.
     return _read_parquet_artifact(client(tracking_uri), run_id, f"{TRAJECTORIES_DIR}/step_{step:06d}.parquet")
 
 
-def metric_history(run_id: str, key: str, tracking_uri: str | None = None) -> pd.DataFrame:
-    """History of one metric: columns step, value, timestamp (ms), sorted by step then time."""
+def metric_history(run_id: str, key: str, tracking_uri: str | None = None, all_attempts: bool = False) -> pd.DataFrame:
+    """History of one metric: columns step, value, timestamp (ms), sorted by step then time.
+
+    Metrics are step-keyed: a step run again after a resume (or a tracking spool replayed)
+    logs its metrics again at the same step, and MLflow keeps every point. The re-run
+    replaces the earlier attempt: one row per step, the last logged (``all_attempts=True``
+    returns every point)."""
     hist = client(tracking_uri).get_metric_history(run_id, key)
     df = pd.DataFrame(
         {"step": [m.step for m in hist], "value": [m.value for m in hist], "timestamp": [m.timestamp for m in hist]},
         columns=["step", "value", "timestamp"],
     )
-    return df.sort_values(["step", "timestamp"], kind="stable").reset_index(drop=True)
+    df = df.sort_values(["step", "timestamp"], kind="stable")
+    if not all_attempts:
+        df = df.drop_duplicates("step", keep="last")
+    return df.reset_index(drop=True)
 
 
 def ui_route(run_id: str, tracking_uri: str | None = None) -> str:
