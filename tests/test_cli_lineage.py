@@ -98,5 +98,8 @@ def test_the_real_run_has_a_trace_per_step_and_its_views(inline_run, lineage):
     assert spans[0].attributes["rlpipe.worker"] == "rollout×1" and spans[0].attributes["rlpipe.rows_out"] == 32
     paths = {f.path for f in client.list_artifacts(inline_run.run_id, "figures")}
     assert "figures/stage_time.png" in paths and "figures/reward.png" in paths
+    import mlflow
+
+    mlflow.set_tracking_uri(inline_run.tracking_uri)  # load_table searches runs through the global store
     traj = client.load_table(run.info.experiment_id, "tables/trajectories.json", run_ids=[inline_run.run_id])
     assert len(traj) == 16 and traj["prompt"].str.endswith("=").all()  # decoded prompts, e.g. '37='

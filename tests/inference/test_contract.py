@@ -25,7 +25,7 @@ from rlpipe.stage import stage_registry
 TOK = build_tokenizer(TokenizerConfig(chars="0123456789=+abc"))
 # head_dim 64: vLLM's CPU attention rejects smaller heads
 ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=128)
-ENGINES = ["embedded", "sglang", "vllm"]
+ENGINES = ["embedded", "sglang", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 def model(seed: int):

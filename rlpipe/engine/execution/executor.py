@@ -112,15 +112,17 @@ class StepExecutor:
             out = apply_result(node, table, result)
         except Exception as exc:
             if isinstance(exc, StageTimeout):
-                exc = StageError(node.kind, node.impl, step, (
+                error = StageError(node.kind, node.impl, step, (
                     f"node {node.name!r} timed out: {exc}. If the stage is only slow, raise its `timeout_s` "
                     f"(-o stages.{node.name}.timeout_s=SECONDS); otherwise look for what hangs in that worker's log"
                 ))
-            error = _stage_error(node, step, exc)
+            else:
+                error = _stage_error(node, step, exc)
             self._record_failure(step, node, table, input_fp, start, error)
             if error is exc:
                 raise
-            raise error from (None if error is getattr(exc, "cause", None) else exc)
+            chained = isinstance(exc, StageTimeout) or error is getattr(exc, "cause", None)
+            raise error from (None if chained else exc)
         duration = time.time() - start
         if result.carry:
             self.carry[node.name] = dict(result.carry)
