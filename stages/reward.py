@@ -12,6 +12,10 @@ get ``status = "failed"`` and reward 0: downstream they are excluded from group
 filtering and advantages instead of being taught as wrong. Rows already failed
 are not scored. Other statuses (ok, truncated) are scored as they are.
 
+With ``function: {path, name}`` a user's own Python function scores every row instead
+of the scorers (:mod:`rlpipe.stages.reward_function`); its scores may be any finite float
+and the extra keys of a dict it returns are reported as ``reward/<key>/mean``.
+
 Left out: a ``weighted`` impl combining rule, discriminative-RM and
 generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
 columns), overlong penalties for truncated rows, and re-decoding only the
@@ -35,6 +39,8 @@ from rlpipe.jagged import last_token_placement
 from rlpipe.schemas.batch import (
     DATA_SOURCE,
     GROUND_TRUTH,
+    SAMPLE_INDEX,
+    UID,
     RESPONSE_MASK,
     RESPONSE_TEXT,
     REWARD,
@@ -43,6 +49,8 @@ from rlpipe.schemas.batch import (
     TOKEN_REWARDS,
 )
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stages import reward_function
+from rlpipe.stages.reward_function import RewardFunction
 from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError
 
 
@@ -58,9 +66,15 @@ class RuleRewardParams(StageParams):
     """Scorer for data_sources that are neither routed nor a scorer name; None makes them an error."""
     scorer_params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Keyword options per scorer name, e.g. {code: {timeout_s: 10, memory_mb: 2048}}."""
+    function: RewardFunction | None = None
+    """Your own reward function, {path: my_reward.py, name: score}: it scores every row (routes and scorers
+    unused); fn(data_source, solution_str, ground_truth, extra_info) → float or dict with `score`."""
 
     @model_validator(mode="after")
     def _scorers_exist(self) -> "RuleRewardParams":
+        if self.function is not None and (self.routes or self.default_scorer or self.scorer_params):
+            raise ValueError("`function` scores every row: drop `routes`, `default_scorer` and `scorer_params`, "
+                             "or drop `function` to use the scorers")
         names = set(self.routes.values()) | set(self.scorer_params) | ({self.default_scorer} - {None})
         for name in sorted(names):
             if name not in SCORERS:
@@ -116,15 +130,37 @@ def _metric_name(source: str) -> str:
     return re.sub(r"[^\w.\-]", "_", source) or "_"
 
 
+def _rule_reads(params: RuleRewardParams) -> dict[str, pa.DataType]:
+    extra = (UID, SAMPLE_INDEX) if params.function is not None else ()
+    return cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS, *extra)
+
+
+def function_scores(batch: pa.Table, ref: RewardFunction, rows: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Scores of ``rows`` by the user's function (others 0) and the means of its extra metrics."""
+    fn = reward_function.load(ref)
+    scores = np.zeros(batch.num_rows, dtype=np.float32)
+    extras: dict[str, list[float]] = {}
+    columns = {c: batch.column(c).to_pylist() for c in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, UID, SAMPLE_INDEX)}
+    for i in rows:
+        info = {"uid": columns[UID][i], "sample_index": columns[SAMPLE_INDEX][i]}
+        scores[i], more = reward_function.call(ref, fn, columns[DATA_SOURCE][i] or "", columns[RESPONSE_TEXT][i] or "",
+                                               columns[GROUND_TRUTH][i] or "", info)
+        for key, value in more.items():
+            extras.setdefault(key, []).append(value)
+    return scores, {f"reward/{_metric_name(k)}/mean": float(np.mean(v)) for k, v in extras.items()}
+
+
 @stage(
     "reward",
     "rule",
-    reads=cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS),
+    reads=_rule_reads,
     writes=cols(REWARD, TOKEN_REWARDS, STATUS),
     params=RuleRewardParams,
 )
 def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) -> StageResult:
     n = batch.num_rows
+    if params.function is not None:
+        return _function_reward(batch, params.function)
     encoded = pc.fill_null(batch.column(DATA_SOURCE), "").combine_chunks().dictionary_encode()
     sources = encoded.dictionary.to_pylist()
     source_of_row = encoded.indices.to_numpy(zero_copy_only=False)
@@ -151,6 +187,19 @@ def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) ->
         STATUS: new_status.combine_chunks() if isinstance(new_status, pa.ChunkedArray) else new_status,
     }
     return StageResult(columns=columns, metrics=_metrics(scores, ~skipped & ~infra, source_of_row, sources, infra))
+
+
+def _function_reward(batch: pa.Table, ref: RewardFunction) -> StageResult:
+    status = batch.column(STATUS)
+    skipped = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False)
+    scores, extra_metrics = function_scores(batch, ref, np.flatnonzero(~skipped))
+    encoded = pc.fill_null(batch.column(DATA_SOURCE), "").combine_chunks().dictionary_encode()
+    metrics = _metrics(scores, ~skipped, encoded.indices.to_numpy(zero_copy_only=False),
+                       encoded.dictionary.to_pylist(), np.zeros(batch.num_rows, dtype=bool))
+    columns = {REWARD: pa.array(scores, pa.float32()),
+               TOKEN_REWARDS: last_token_placement(scores, batch.column(RESPONSE_MASK)),
+               STATUS: status.combine_chunks() if isinstance(status, pa.ChunkedArray) else status}
+    return StageResult(columns=columns, metrics={**metrics, **extra_metrics})
 
 
 def _metrics(scores, valid, source_of_row, sources, infra) -> dict[str, float]:
