@@ -149,3 +149,75 @@ def test_grpo_gar_stage_puts_redistributed_advantages_on_valid_tokens():
     np.testing.assert_allclose(adv[0], [0.5 * a] * 2, rtol=1e-4)
     np.testing.assert_allclose(adv[1], [1.5 * a, 0.0], rtol=1e-4)
     np.testing.assert_allclose(adv[2], [-2 * a] * 2, rtol=1e-4)
+
+
+# -- the weighted stack on the reward pool ----------------------------------------------------------
+
+def pool_state(judge_kw=None, weights=None):
+    from rlpipe.engine.state.reward_pool import RewardPoolState
+    from tests.conftest import quickstart_raw
+
+    params = {"rule": {}, "reward_model": {"architecture": ARCH, "tokenizer": {"byte_level": True}},
+              "judge": {"model": {"architecture": ARCH}, "max_tokens": 2, "score_pattern": r"(\d)", "max_score": 10,
+                        **(judge_kw or {})},
+              "weights": weights or {"rule": 1.0, "reward_model": 0.5, "judge": 2.0}}
+    raw = quickstart_raw()
+    raw["stages"] = [s if s["kind"] != "reward" else {"kind": "reward", "impl": "weighted", "params": params}
+                     for s in raw["stages"]]
+    config = PipelineConfig.model_validate(raw)
+    pool = RewardPoolState(config, 0, 1, None)
+    pool.judge = Judge(pool.judge.cfg, pool.tokenizer, model=constant_model(pool.tokenizer, "7"))  # judge says 7
+    from rlpipe.stages.reward_families import WeightedRewardParams
+    return pool, WeightedRewardParams.model_validate(params)
+
+
+def test_weighted_combines_rule_rm_and_judge_with_one_column_each():
+    from rlpipe.stages.reward_families import weighted_reward
+
+    pool, params = pool_state()
+    tok = pool.tokenizer
+    table = traj_batch(tok, ["37=", "37=", "37="], ["73", "70", "73"], [[1, 1]] * 3, ["g"] * 3,
+                       statuses=["ok", "ok", "failed"])
+    out = weighted_reward(pool, table, params, CTX)
+    c = {k: v.to_pylist() for k, v in out.columns.items()}
+    rm = pool.reward_model.score(["37=73", "37=70"])
+    # by hand: digits rule = [1.0, 0.5]; judge "77" → first digit 7 / 10 = 0.7; failed row 2 scores 0 everywhere
+    assert c["reward_rule"] == pytest.approx([1.0, 0.5, 0.0])
+    assert c["judge_score"] == pytest.approx([0.7, 0.7, 0.0])
+    assert c["reward_rm"] == pytest.approx([rm[0], rm[1], 0.0], rel=1e-4)
+    expected = [1.0 * r + 0.5 * m + 2.0 * 0.7 for r, m in zip([1.0, 0.5], rm)]
+    assert c["reward"] == pytest.approx(expected + [0.0], rel=1e-4)
+    assert c["token_rewards"][0] == pytest.approx([0.0, expected[0]], rel=1e-4)
+    assert c["status"] == ["ok", "ok", "failed"] and c["judge_hacked"] == [0, 0, 0]
+    assert out.metrics["reward/judge/mean"] == pytest.approx(0.7)
+    assert out.metrics["reward/rule/mean"] == pytest.approx(0.75)
+    pool.close()
+
+
+def test_judge_timeout_fails_the_trajectories_and_dapo_and_advantages_ignore_them():
+    from rlpipe.stage import stage_registry
+    from rlpipe.stages.filter_groups import FilterGroupsParams, filter_groups
+    from rlpipe.stages.reward_families import weighted_reward
+
+    fast, params = pool_state()
+    slow, slow_params = pool_state({"latency_s": 5.0, "timeout_s": 0.3})
+    tok = fast.tokenizer
+    graded = weighted_reward(fast, traj_batch(tok, ["37="] * 2, ["73", "70"], [[1, 1]] * 2, ["a", "a"]), params, CTX)
+    timed_out = traj_batch(tok, ["12="] * 2, ["21", "20"], [[1, 1]] * 2, ["b", "b"])
+    late = weighted_reward(slow, timed_out, slow_params, CTX)
+    assert late.columns["status"].to_pylist() == ["failed", "failed"]
+    assert late.columns["reward"].to_pylist() == [0.0, 0.0]
+    assert late.metrics["reward/judge/ungraded"] == 2.0
+    base = traj_batch(tok, ["37="] * 2 + ["12="] * 2, ["73", "70", "21", "20"], [[1, 1]] * 4, ["a", "a", "b", "b"])
+    table = base.drop(["status"])
+    for name in ("reward", "token_rewards", "status"):
+        table = table.append_column(name, pa.concat_arrays([graded.columns[name], late.columns[name]]))
+    kept = filter_groups(table, FilterGroupsParams(), CTX)
+    assert kept.keep.tolist() == [0, 1]  # group b has no valid trajectory: evicted, not taught as wrong
+    assert kept.metrics["filter_groups/evicted_single_valid"] == 1.0
+    adv_params = stage_registry("advantage").get("grpo").params_model()
+    adv = stage_registry("advantage").get("grpo").fn(table, adv_params, CTX)
+    a = adv.columns["advantages"].to_pylist()
+    assert a[2] == [0.0, 0.0] and a[3] == [0.0, 0.0] and a[0][0] > 0 > a[1][0]
+    assert adv.metrics["advantage/failed_rows"] == 2.0
+    fast.close(), slow.close()
