@@ -25,3 +25,26 @@ def test_reward_families_pipeline_runs_on_ray(ray_session, tmp_path):
         assert {"reward/rule/mean", "reward/reward_model/mean", "reward/judge/mean"} <= set(m)
         assert 0.0 <= m["reward/rule/mean"] <= 1.0 and 0.0 <= m["reward/judge/mean"] <= 1.0
         assert m["reward/infra_failures"] < 32  # not every trajectory failed
+
+
+def test_reward_pool_serves_separate_async(ray_session, tmp_path):
+    """In separate_async the replicas keep generating into the buffer while the pool (its own actor)
+    scores; a slow judge (latency_s) delays scoring, not generation."""
+    import yaml
+
+    from rlpipe.engine.planning.config_io import validate_config
+
+    raw = yaml.safe_load((ROOT / "pipelines/reward_families.yaml").read_text())
+    raw.update(mode="separate_async", mode_params={"max_off_policy_threshold": 4, "strategy": "drop"},
+               tracking={"enabled": False})
+    raw["trainer"].update(total_steps=2, ppo_mini_batch_size=4, parameter_sync_step=2, output_dir=str(tmp_path))
+    reward = next(s for s in raw["stages"] if s["kind"] == "reward")
+    reward["params"]["judge"]["latency_s"] = 0.2
+    raw["stages"].insert(2, {"kind": "staleness_guard", "impl": "max_staleness"})
+    from tests.conftest import Recorder
+
+    seen, recorder = [], Recorder()
+    run_pipeline(validate_config(raw), yaml.safe_dump(raw), on_step=lambda step, m: seen.append(m), observer=recorder)
+    assert len(seen) == 2 and all("reward/mean" in m for m in seen)
+    rewards = [r for r in recorder.records if getattr(r, "node", None) == "reward"]
+    assert rewards and all("reward/judge/mean" in r.metrics for r in rewards), recorder.records[:3]
