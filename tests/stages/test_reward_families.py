@@ -221,3 +221,28 @@ def test_judge_timeout_fails_the_trajectories_and_dapo_and_advantages_ignore_the
     assert a[2] == [0.0, 0.0] and a[3] == [0.0, 0.0] and a[0][0] > 0 > a[1][0]
     assert adv.metrics["advantage/failed_rows"] == 2.0
     fast.close(), slow.close()
+
+
+def test_rm_loads_from_a_local_directory(tmp_path):
+    policy = build_tokenizer(CHARS)
+    built = RewardModel(RewardModelConfig(architecture=ArchitectureConfig(**ARCH)), policy)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_config(built.backbone.config.__class__(
+        **{**built.backbone.config.to_dict(), "num_labels": 1}))
+    model.model.load_state_dict(built.backbone.state_dict())
+    model.score.load_state_dict(built.head.state_dict())
+    model.save_pretrained(tmp_path / "rm")
+    loaded = RewardModel(RewardModelConfig(path=str(tmp_path / "rm")), policy)
+    np.testing.assert_allclose(loaded.score(["37=73", "1=1"]), built.score(["37=73", "1=1"]), rtol=1e-5, atol=1e-6)
+
+
+def test_groupwise_judge_without_a_parsable_answer_fails_the_group():
+    from rlpipe.stages.reward_families import weighted_reward
+
+    pool, params = pool_state({"mode": "groupwise"})  # the constant judge writes "77": no "k: score" lines
+    table = traj_batch(pool.tokenizer, ["37="] * 2, ["73", "70"], [[1, 1]] * 2, ["g", "g"])
+    out = weighted_reward(pool, table, params, CTX)
+    assert out.columns["status"].to_pylist() == ["failed", "failed"]
+    assert out.metrics["reward/judge/ungraded"] == 2.0
+    pool.close()
