@@ -24,13 +24,22 @@ from rlpipe.schemas.config import PipelineConfig
 
 
 def pool_params(config: PipelineConfig):
-    """The validated params of the pipeline's ``reward/weighted`` stage."""
+    """The pool's part of the ``reward/weighted`` stage's params: (reward_model, judge, pool_size).
+
+    The rule family is not validated here: its custom function's path is resolved on the driver
+    (the plan ships the source with the stage's params), not in a pool worker's directory."""
+    from rlpipe.stages.judge import JudgeConfig
     from rlpipe.stages.reward_families import WeightedRewardParams
+    from rlpipe.stages.reward_model import RewardModelConfig
 
     node = next((s for s in config.stages if s.kind == "reward" and s.impl == "weighted"), None)
     if node is None:
         raise ConfigError("the reward_model role serves the `reward/weighted` stage; the pipeline has none")
-    return WeightedRewardParams.model_validate(node.params)
+    raw = node.params
+    rm = RewardModelConfig.model_validate(raw["reward_model"]) if raw.get("reward_model") else None
+    judge = JudgeConfig.model_validate(raw["judge"]) if raw.get("judge") else None
+    size = raw["pool_size"] if "pool_size" in raw else WeightedRewardParams.model_fields["pool_size"].default
+    return rm, judge, int(size)
 
 
 class RewardPoolState:
@@ -41,15 +50,15 @@ class RewardPoolState:
         from rlpipe.stages.reward_model import RewardModel
 
         torch.set_num_threads(config.trainer.torch_threads)
-        params = pool_params(config)
+        rm, judge, _ = pool_params(config)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
-        self.reward_model = RewardModel(params.reward_model, self.tokenizer) if params.reward_model else None
-        self.judge = Judge(params.judge, self.tokenizer, name=f"{config.name}-judge{rank}") if params.judge else None
+        self.reward_model = RewardModel(rm, self.tokenizer) if rm is not None else None
+        self.judge = Judge(judge, self.tokenizer, name=f"{config.name}-judge{rank}") if judge is not None else None
 
     def close(self) -> None:
         if self.judge is not None:
             self.judge.close()
 
 
-WORKER_ROLES.add("reward_model", RoleSpec(RewardPoolState, sharded=False, size=lambda c: pool_params(c).pool_size))
+WORKER_ROLES.add("reward_model", RoleSpec(RewardPoolState, sharded=False, size=lambda c: pool_params(c)[2]))
