@@ -58,6 +58,7 @@ bench: setup
 	$(VENV)/bin/python benchmarks/engine_overhead.py --steps 30 --warmup 3
 	$(VENV)/bin/python benchmarks/async_modes.py --steps 20 --warmup 3
 	$(VENV)/bin/python benchmarks/engines.py
+	$(VENV)/bin/python benchmarks/reward_pool.py --steps 8 --warmup 2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db outputs

@@ -13,6 +13,8 @@ import rlpipe.stages.filter_groups  # noqa: F401
 import rlpipe.stages.rollout_correction  # noqa: F401
 import rlpipe.stages.critic  # noqa: F401
 import rlpipe.stages.staleness_guard  # noqa: F401
+import rlpipe.stages.gar  # noqa: F401
+import rlpipe.stages.reward_families  # noqa: F401
 
 # RL math registries (advantage_estimator, policy_loss, kl_penalty ...).
 import rlpipe.stages.algos.advantages  # noqa: F401
@@ -25,6 +27,7 @@ import rlpipe.stages.scorers  # noqa: F401
 # Engine parts: worker roles and modes.
 import rlpipe.engine.state.roles  # noqa: F401
 import rlpipe.engine.state.trainer_backends  # noqa: F401
+import rlpipe.engine.state.reward_pool  # noqa: F401
 import rlpipe.engine.state.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401
 import rlpipe.modes.separate_async  # noqa: F401

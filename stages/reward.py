@@ -26,6 +26,10 @@ the main thread, so on the scorer thread they are off and one pathological answe
 runs the whole call into ``scorer_timeout_s`` (``scorer_timeout_s: null`` keeps them,
 with the call unbounded).
 
+With ``function: {path, name}`` a user's own Python function scores every row instead
+of the scorers (:mod:`rlpipe.stages.reward_function`); its scores may be any finite float
+and the extra keys of a dict it returns are reported as ``reward/<key>/mean``.
+
 Left out: a ``weighted`` impl combining rule, discriminative-RM and
 generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
 columns), overlong penalties for truncated rows, and re-decoding only the
@@ -51,6 +55,8 @@ from rlpipe.jagged import last_token_placement
 from rlpipe.schemas.batch import (
     DATA_SOURCE,
     GROUND_TRUTH,
+    SAMPLE_INDEX,
+    UID,
     RESPONSE_MASK,
     RESPONSE_TEXT,
     REWARD,
@@ -59,6 +65,8 @@ from rlpipe.schemas.batch import (
     TOKEN_REWARDS,
 )
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stages import reward_function
+from rlpipe.stages.reward_function import RewardFunction
 from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError
 
 log = logging.getLogger(__name__)
@@ -80,9 +88,15 @@ class RuleRewardParams(StageParams):
     """Longest one scorer call (all rows routed to one scorer in one batch) may take, in seconds; past it
     those rows are infrastructure failures (status `failed`, excluded from advantages and reward/mean) and
     the hung call is abandoned. None waits forever. Keep it below the stage's `timeout_s`."""
+    function: RewardFunction | None = None
+    """Your own reward function, {path: my_reward.py, name: score}: it scores every row (routes and scorers
+    unused); fn(data_source, solution_str, ground_truth, extra_info) → float or dict with `score`."""
 
     @model_validator(mode="after")
     def _scorers_exist(self) -> "RuleRewardParams":
+        if self.function is not None and (self.routes or self.default_scorer or self.scorer_params):
+            raise ValueError("`function` scores every row: drop `routes`, `default_scorer` and `scorer_params`, "
+                             "or drop `function` to use the scorers")
         names = set(self.routes.values()) | set(self.scorer_params) | ({self.default_scorer} - {None})
         for name in sorted(names):
             if name not in SCORERS:
@@ -171,15 +185,37 @@ def _metric_name(source: str) -> str:
     return re.sub(r"[^\w.\-]", "_", source) or "_"
 
 
+def _rule_reads(params: RuleRewardParams) -> dict[str, pa.DataType]:
+    extra = (UID, SAMPLE_INDEX) if params.function is not None else ()
+    return cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS, *extra)
+
+
+def function_scores(batch: pa.Table, ref: RewardFunction, rows: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Scores of ``rows`` by the user's function (others 0) and the means of its extra metrics."""
+    fn = reward_function.load(ref)
+    scores = np.zeros(batch.num_rows, dtype=np.float32)
+    extras: dict[str, list[float]] = {}
+    columns = {c: batch.column(c).to_pylist() for c in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, UID, SAMPLE_INDEX)}
+    for i in rows:
+        info = {"uid": columns[UID][i], "sample_index": columns[SAMPLE_INDEX][i]}
+        scores[i], more = reward_function.call(ref, fn, columns[DATA_SOURCE][i] or "", columns[RESPONSE_TEXT][i] or "",
+                                               columns[GROUND_TRUTH][i] or "", info)
+        for key, value in more.items():
+            extras.setdefault(key, []).append(value)
+    return scores, {f"reward/{_metric_name(k)}/mean": float(np.mean(v)) for k, v in extras.items()}
+
+
 @stage(
     "reward",
     "rule",
-    reads=cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS),
+    reads=_rule_reads,
     writes=cols(REWARD, TOKEN_REWARDS, STATUS),
     params=RuleRewardParams,
 )
 def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) -> StageResult:
     n = batch.num_rows
+    if params.function is not None:
+        return _function_reward(batch, params.function)
     encoded = pc.fill_null(batch.column(DATA_SOURCE), "").combine_chunks().dictionary_encode()
     sources = encoded.dictionary.to_pylist()
     source_of_row = encoded.indices.to_numpy(zero_copy_only=False)
@@ -211,6 +247,19 @@ def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) ->
     metrics = _metrics(scores, ~skipped & ~infra, source_of_row, sources, infra)
     metrics["reward/scorer_timeouts"] = float(timeouts)
     return StageResult(columns=columns, metrics=metrics)
+
+
+def _function_reward(batch: pa.Table, ref: RewardFunction) -> StageResult:
+    status = batch.column(STATUS)
+    skipped = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False)
+    scores, extra_metrics = function_scores(batch, ref, np.flatnonzero(~skipped))
+    encoded = pc.fill_null(batch.column(DATA_SOURCE), "").combine_chunks().dictionary_encode()
+    metrics = _metrics(scores, ~skipped, encoded.indices.to_numpy(zero_copy_only=False),
+                       encoded.dictionary.to_pylist(), np.zeros(batch.num_rows, dtype=bool))
+    columns = {REWARD: pa.array(scores, pa.float32()),
+               TOKEN_REWARDS: last_token_placement(scores, batch.column(RESPONSE_MASK)),
+               STATUS: status.combine_chunks() if isinstance(status, pa.ChunkedArray) else status}
+    return StageResult(columns=columns, metrics={**metrics, **extra_metrics})
 
 
 def _metrics(scores, valid, source_of_row, sources, infra) -> dict[str, float]:

@@ -1,0 +1,156 @@
+"""The ``reward`` stage, impl ``weighted``: rule + discriminative RM + generative judge, weighted.
+
+A hybrid reward stack (SPEC R4): each configured family scores every row and writes its
+own column, and ``reward = Σ_f weights[f] · score_f`` over the configured families:
+
+=================  ===============  ======================================================
+family             column           scorer
+=================  ===============  ======================================================
+``rule``           reward_rule      the ``rule`` impl's routing by data_source, or a
+                                    custom ``function`` (:mod:`rlpipe.stages.reward`)
+``reward_model``   reward_rm        one forward pass of a reward model, score at the last
+                                    valid token (:mod:`rlpipe.stages.reward_model`)
+``judge``          judge_score      a judge model's parsed score, pointwise or group-wise
+                   judge_hacked     (:mod:`rlpipe.stages.judge`); group-wise flags feed
+                                    the ``grpo_gar`` advantage (:mod:`rlpipe.stages.gar`)
+=================  ===============  ======================================================
+
+Each family's mean is reported as ``reward/<family>/mean``. The models live on the
+``reward_model`` worker role — the independent reward pool, ``pool_size`` Ray actors of
+its own (:mod:`rlpipe.engine.state.reward_pool`), apart from the rollout and the trainer,
+so the async modes accept it. A row the judge could not grade (timeout, unparsable text)
+or whose rule scorer hit an infrastructure failure gets ``status = "failed"`` and reward 0.
+
+Left out: per-data_source family selection (every family scores every row) and
+overlapping the RM's forward pass with the judge's decoding inside one worker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import Field, model_validator
+
+from rlpipe.jagged import last_token_placement
+from rlpipe.schemas.batch import (
+    GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, REWARD, STATUS, STATUS_FAILED, TOKEN_REWARDS, UID,
+)
+from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stages.gar import JUDGE_HACKED, JUDGE_SCORE
+from rlpipe.stages.judge import JudgeConfig, groupwise_scores, pointwise_scores
+from rlpipe.stages.reward import RuleRewardParams, _rule_reads, rule_reward
+from rlpipe.stages.reward_model import RewardModelConfig, decode_pairs
+
+REWARD_RULE = "reward_rule"
+"""The rule family's score of a row (float32)."""
+REWARD_RM = "reward_rm"
+"""The discriminative reward model's score of a row (float32)."""
+FAMILIES = ("rule", "reward_model", "judge")
+
+
+class WeightedRewardParams(StageParams):
+    """Which reward families score, with what weight, on how many pool workers."""
+
+    rule: RuleRewardParams | None = None
+    """Rule-based scoring (routes / scorers / a custom function); None = no rule family."""
+    reward_model: RewardModelConfig | None = None
+    """Discriminative reward model; None = none."""
+    judge: JudgeConfig | None = None
+    """Generative judge; None = none."""
+    weights: dict[str, float] = Field(default_factory=lambda: {f: 1.0 for f in FAMILIES})
+    """Weight per family (rule, reward_model, judge); a configured family missing here weighs 0."""
+    pool_size: int = Field(1, ge=1)
+    """Reward-pool workers (Ray actors of the `reward_model` role); rows are split evenly among them."""
+
+    @model_validator(mode="after")
+    def _families(self) -> "WeightedRewardParams":
+        unknown = sorted(set(self.weights) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"weights name unknown families {unknown}; families: {', '.join(FAMILIES)}")
+        if not self.configured:
+            raise ValueError("configure at least one reward family: `rule`, `reward_model` or `judge`")
+        return self
+
+    @property
+    def configured(self) -> list[str]:
+        return [f for f in FAMILIES if getattr(self, f) is not None]
+
+
+def _reads(p: WeightedRewardParams) -> dict[str, pa.DataType]:
+    out = cols(STATUS, RESPONSE_MASK, PROMPT_IDS, RESPONSE_IDS, GROUND_TRUTH, UID)
+    return {**out, **(_rule_reads(p.rule) if p.rule is not None else {})}
+
+
+def _writes(p: WeightedRewardParams) -> dict[str, pa.DataType]:
+    out = cols(REWARD, TOKEN_REWARDS, STATUS)
+    if p.rule is not None:
+        out[REWARD_RULE] = pa.float32()
+    if p.reward_model is not None:
+        out[REWARD_RM] = pa.float32()
+    if p.judge is not None:
+        out.update({JUDGE_SCORE: pa.float32(), JUDGE_HACKED: pa.int8()})
+    return out
+
+
+def judge_columns(judge, batch: pa.Table, texts: list[str], tokenizer, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(judge_score with NaN where ungraded, hacked flags) of ``rows`` (others NaN / False)."""
+    prompts = [tokenizer.decode(p, skip_special_tokens=True) for p in batch.column(PROMPT_IDS).to_pylist()]
+    responses = [t[len(p):] for t, p in zip(texts, prompts)]
+    truths = [g or "" for g in batch.column(GROUND_TRUTH).to_pylist()]
+    scores, hacked = np.full(batch.num_rows, np.nan, np.float32), np.zeros(batch.num_rows, bool)
+    if not rows.size:
+        return scores, hacked
+    if judge.cfg.mode == "pointwise":
+        scores[rows] = pointwise_scores(judge, [prompts[i] for i in rows], [responses[i] for i in rows],
+                                        [truths[i] for i in rows])
+        return scores, hacked
+    uids = np.asarray(batch.column(UID).to_pylist(), dtype=object)[rows]
+    groups = [rows[uids == u] for u in dict.fromkeys(uids)]
+    return groupwise_scores(judge, groups, prompts, responses, truths)
+
+
+@stage("reward", "weighted", placement="worker", role="reward_model", params=WeightedRewardParams,
+       reads=_reads, writes=_writes)
+def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: StageContext) -> StageResult:
+    status = batch.column(STATUS)
+    failed = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False).copy()
+    columns: dict[str, pa.Array] = {}
+    metrics: dict[str, float] = {}
+    family_scores: dict[str, np.ndarray] = {}
+    if params.rule is not None:
+        rule = rule_reward(batch, params.rule, ctx)
+        family_scores["rule"] = rule.columns[REWARD].to_numpy(zero_copy_only=False)
+        failed |= np.asarray(rule.columns[STATUS].to_pylist(), dtype=object) == STATUS_FAILED
+        metrics.update({k: v for k, v in rule.metrics.items() if k != "reward/mean"})
+    live = np.flatnonzero(~failed)
+    texts = decode_pairs(batch.column(PROMPT_IDS), batch.column(RESPONSE_IDS), batch.column(RESPONSE_MASK),
+                         pool.tokenizer) if (params.reward_model or params.judge) else []
+    if params.reward_model is not None:
+        rm = np.zeros(batch.num_rows, np.float32)
+        if live.size:
+            rm[live] = pool.reward_model.score([texts[i] for i in live])
+        family_scores["reward_model"] = rm
+    if params.judge is not None:
+        judged, hacked = judge_columns(pool.judge, batch, texts, pool.tokenizer, live)
+        ungraded = np.isnan(judged) & ~failed
+        failed |= ungraded
+        metrics["reward/judge/ungraded"] = float(ungraded.sum())
+        family_scores["judge"] = np.where(failed, 0.0, judged).astype(np.float32)
+        columns[JUDGE_HACKED] = pa.array(hacked.astype(np.int8), pa.int8())
+    total = np.zeros(batch.num_rows, np.float64)
+    for family, scores in family_scores.items():
+        scores = np.where(failed, 0.0, scores).astype(np.float32)
+        total += params.weights.get(family, 0.0) * scores
+        columns[{"rule": REWARD_RULE, "reward_model": REWARD_RM, "judge": JUDGE_SCORE}[family]] = pa.array(scores)
+        if (~failed).any():
+            metrics[f"reward/{family}/mean"] = float(scores[~failed].mean())
+    total = np.where(failed, 0.0, total).astype(np.float32)
+    columns[REWARD] = pa.array(total, pa.float32())
+    columns[TOKEN_REWARDS] = last_token_placement(total, batch.column(RESPONSE_MASK))
+    columns[STATUS] = pa.array(np.where(failed, STATUS_FAILED, np.asarray(status.to_pylist(), dtype=object)).tolist(),
+                               pa.string())
+    metrics["reward/infra_failures"] = float(failed.sum())
+    if (~failed).any():
+        metrics["reward/mean"] = float(total[~failed].mean())
+    return StageResult(columns=columns, metrics=metrics)
