@@ -50,7 +50,8 @@ from rlpipe.schemas.batch import STATUS_FAILED, STATUS_OK, STATUS_TRUNCATED
 AGENTS = registry("agent")
 """name → ``build(engine, tokenizer, generate_params) -> RolloutEngine``."""
 
-TERMINATIONS = ("eos", "max_turns", "max_length", "tool_error", "aborted")
+TERMINATIONS = ("eos", "max_turns", "max_length", "tool_error", "aborted", "timeout")
+"""Why an episode ended; ``timeout`` is the gateway agent's (its program ran out of time)."""
 
 
 class Phase(str, enum.Enum):

@@ -9,7 +9,7 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
-CHARS = "0123456789+-*=[]:abcdefghijklmnopqrstuvwxyz ().\n"
+CHARS = "0123456789+-*=[]:abcdefghijklmnopqrstuvwxyz ().\nUATS"
 PROMPT = "12*3="
 TURN1 = "[12*3]"  # compact call of the calculator, then <eos>
 OBSERVATION = "=36"  # what the compact parser makes of the calculator's "36"
@@ -50,4 +50,19 @@ def scripted_model(tok):
     eos = tok.eos_token_id
     loss = teach(model, tok, [[PROMPT, TURN1, eos, OBSERVATION, TURN2, eos]])
     assert loss < 0.05, f"the scripted model did not memorize its episode (loss {loss})"
+    return model
+
+
+CHAT = ["\nU:12*3=\nA:", TURN1, "eos", "\nT:36\nA:", TURN2, "eos"]
+"""The scripted episode through the default chat template: the client runs the calculator and sends "36"."""
+
+
+@pytest.fixture(scope="session")
+def chat_model(tok):
+    """A 2-layer model that plays :data:`CHAT`'s assistant turns."""
+    arch = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                              max_position_embeddings=64)
+    model = build_model(ModelConfig(architecture=arch), tok, seed=1)
+    loss = teach(model, tok, [[tok.eos_token_id if p == "eos" else p for p in CHAT]])
+    assert loss < 0.05, f"the chat model did not memorize its episode (loss {loss})"
     return model
