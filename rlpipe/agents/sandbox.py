@@ -1,8 +1,8 @@
 """The ``python`` tool: run model-written code in a sandboxed subprocess.
 
-Each call starts ``python -I -c <code>`` in a fresh temporary directory with an
-empty environment, in its own process group (``start_new_session``), with
-``setrlimit`` limits set before ``exec``: CPU seconds (``RLIMIT_CPU``, the kernel
+Each call starts ``python -I`` in a fresh temporary directory with an empty
+environment, in its own process group (``start_new_session``); the child sets
+its ``setrlimit`` limits before it runs the code: CPU seconds (``RLIMIT_CPU``, the kernel
 kills with SIGXCPU/SIGKILL), address space (``RLIMIT_AS``: an allocation past it
 raises MemoryError), file size (``RLIMIT_FSIZE``) and open files. A wall-clock
 limit kills the whole process group (the code and every child it forked).
@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -72,20 +71,27 @@ def network_isolated() -> bool:
     return done.returncode == 0
 
 
-def _limit(limits: SandboxLimits) -> None:
-    """Runs in the child between fork and exec: set the resource limits."""
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-    memory = limits.memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    size = limits.max_file_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# The child sets its own limits, then runs the code (not preexec_fn: Python documents it as unsafe in
+# threaded processes, and tool calls run on a thread pool).
+_BOOT = """
+import resource, sys
+cpu, memory, fsize = (int(x) for x in sys.argv[1:4])
+code = sys.argv[4]
+del sys.argv[1:]
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+del resource, cpu, memory, fsize
+exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+"""
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolOutput:
     """Run ``code`` under ``limits``; the observation is its stdout+stderr (or why it was stopped)."""
-    command = [sys.executable, "-I", "-c", code]
+    command = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20),
+               str(limits.max_file_mb * 2**20), code]
     if limits.isolate_network and network_isolated():
         command = [*_UNSHARE, *command]
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
@@ -94,7 +100,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolOutput
             proc = subprocess.Popen(
                 command, cwd=workdir, env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=functools.partial(_limit, limits),
+                start_new_session=True,
             )
         except OSError as exc:
             raise ToolInfraError(f"python sandbox: cannot start {command[0]!r}: {exc}") from exc
