@@ -5,8 +5,8 @@
   any number per turn; outputs come back as ``<tool_response>…</tool_response>``, one per call.
 * ``compact`` — a format a from-scratch character-level model can learn with a
   dozen symbols: ``[expr]`` calls the default tool (``calculator``) with its main
-  argument, ``[name:text]`` calls tool ``name``; outputs come back as ``={output}``
-  per call. Main arguments: calculator → ``expression``, python → ``code``,
+  argument, ``[name:text]`` calls tool ``name``; outputs come back as ``={output};``
+  per call (the ``;`` closes the observation, so a final answer after it is unambiguous). Main arguments: calculator → ``expression``, python → ``code``,
   latency → ``key`` (other tools: ``input``).
 
 A malformed call (bad JSON, no name) is not dropped: it is returned with its
@@ -66,7 +66,7 @@ class HermesParser:
 
 
 class CompactParser:
-    """``[expr]`` / ``[name:text]`` calls; ``={output}`` observations."""
+    """``[expr]`` / ``[name:text]`` calls; ``={output};`` observations."""
 
     _CALL = re.compile(r"\[(?:([a-z_]+):)?([^\[\]]*)\]")
 
@@ -81,7 +81,7 @@ class CompactParser:
         return calls
 
     def observation(self, outputs: Sequence[ToolOutput]) -> str:
-        return "".join(f"={o.text}" for o in outputs)
+        return "".join(f"={o.text};" for o in outputs)
 
 
 TOOL_PARSERS.add("hermes", HermesParser)

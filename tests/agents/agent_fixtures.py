@@ -9,10 +9,10 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
-CHARS = "0123456789+-*=[]:abcdefghijklmnopqrstuvwxyz ().\nUATS"
+CHARS = "0123456789+-*=[]:abcdefghijklmnopqrstuvwxyz ().;\nUATS"
 PROMPT = "12*3="
 TURN1 = "[12*3]"  # compact call of the calculator, then <eos>
-OBSERVATION = "=36"  # what the compact parser makes of the calculator's "36"
+OBSERVATION = "=36;"  # what the compact parser makes of the calculator's "36"
 TURN2 = "36"  # then <eos>
 
 
@@ -43,7 +43,7 @@ def teach(model, tok, texts, steps=150, lr=1e-2):
 
 @pytest.fixture(scope="session")
 def scripted_model(tok):
-    """A 2-layer model that, given "12*3=", calls the calculator ("[12*3]"), then answers "36" after "=36"."""
+    """A 2-layer model that, given "12*3=", calls the calculator ("[12*3]"), then answers "36" after "=36;"."""
     arch = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                               max_position_embeddings=64)
     model = build_model(ModelConfig(architecture=arch), tok, seed=0)

@@ -69,10 +69,10 @@ def test_two_turn_episode_masks_spans_versions_by_hand(tok):
     r = ep.result()
     second = tok.encode(TURN2) + [tok.eos_token_id]
     assert r.response_ids.tolist() == first + obs + second
-    assert r.response_mask.tolist() == [1] * 7 + [0] * 3 + [1] * 3
-    assert r.generation_spans.tolist() == [[0, 7], [10, 13]]
-    assert r.logprobs.tolist() == [-0.5] * 7 + [0.0] * 3 + [-0.5] * 3
-    assert r.versions.tolist() == [3] * 7 + [3] * 3 + [4] * 3  # observation: the version of the turn it answers
+    assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3
+    assert r.generation_spans.tolist() == [[0, 7], [11, 14]]
+    assert r.logprobs.tolist() == [-0.5] * 7 + [0.0] * 4 + [-0.5] * 3
+    assert r.versions.tolist() == [3] * 7 + [3] * 4 + [4] * 3  # observation: the version of the turn it answers
     assert (r.num_turns, r.status, r.finish_reason) == (2, "ok", "stop")
     assert ep.history == [Phase.PENDING, Phase.GENERATING, Phase.PROCESSING_TOOLS, Phase.GENERATING,
                           Phase.TERMINATED]
@@ -87,7 +87,7 @@ def test_terminations_max_turns_max_length_and_tool_error(tok):
     ep.deliver(turn(tok, "[12*3", eos=False, reason="length"))
     assert (ep.termination, ep.status) == ("max_length", "truncated")
 
-    ep = episode(tok, max_tokens=9)  # the observation "=36" does not fit: cut to the budget, then max_length
+    ep = episode(tok, max_tokens=9)  # the observation "=36;" does not fit: cut to the budget, then max_length
     ep.deliver(turn(tok, TURN1))
     settle(ep)
     assert ep.termination == "max_length" and ep.result().response_mask.tolist() == [1] * 7 + [0] * 2
@@ -105,7 +105,7 @@ def test_terminations_max_turns_max_length_and_tool_error(tok):
 
 
 def test_observation_truncation_side(tok):
-    for side, keep in (("right", "=1"), ("left", "24")):
+    for side, keep in (("right", "=1"), ("left", "4;")):
         ep = episode(tok, max_observation_tokens=2, observation_truncation=side)
         ep.deliver(turn(tok, "[1000+24]"))
         settle(ep)
@@ -137,7 +137,7 @@ def test_scripted_episode_on_the_embedded_engine(tok, scripted_model):
     [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 30, COLD)])
     eos = tok.eos_token_id
     assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] + tok.encode(OBSERVATION) + tok.encode(TURN2) + [eos]
-    assert r.response_mask.tolist() == [1] * 7 + [0] * 3 + [1] * 3
+    assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3
     assert (r.termination, r.num_turns) == ("eos", 2)
     # decoding and re-encoding the response would lose the turn's <eos>: the ids are the engine's, not a re-encoding
     assert tok.encode(tok.decode(r.response_ids.tolist(), skip_special_tokens=True)) != r.response_ids.tolist()
@@ -155,8 +155,8 @@ def test_weight_push_mid_turn_resumes_with_both_versions(tok, scripted_model):
     assert partial.finish_reason == "abort" and len(partial.response_ids) == 3
     agent.load_weights(export_buckets(scripted_model), version=1)
     [r] = agent.generate([partial.resume(request)])
-    assert r.versions.tolist() == [0] * 3 + [1] * 10
-    assert r.response_mask.tolist() == [1] * 7 + [0] * 3 + [1] * 3  # same weights: the same episode
+    assert r.versions.tolist() == [0] * 3 + [1] * 11
+    assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3  # same weights: the same episode
     assert r.termination == "eos"
 
 
@@ -165,8 +165,8 @@ def test_generate_stage_and_rollout_service_emit_the_same_agent_rows(tok, script
     worker.engine, worker.tokenizer = EmbeddedEngine(copy.deepcopy(scripted_model), tok), tok
     batch = prompt_table(tok, [PROMPT, PROMPT], 0)
     table = generate(worker, batch, params(), StageContext(step=0, seed=0)).table
-    assert table.column("response_mask").to_pylist() == [[1] * 7 + [0] * 3 + [1] * 3] * 2
-    assert table.column("generation_spans").to_pylist() == [[0, 7, 10, 13]] * 2
+    assert table.column("response_mask").to_pylist() == [[1] * 7 + [0] * 4 + [1] * 3] * 2
+    assert table.column("generation_spans").to_pylist() == [[0, 7, 11, 14]] * 2
     assert table.column("num_turns").to_pylist() == [2, 2]
     assert table.column("termination").to_pylist() == ["eos", "eos"]
 

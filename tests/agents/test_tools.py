@@ -62,6 +62,7 @@ def test_compact_parser():
     assert [c.call for c in calls] == [ToolCall("calculator", {"expression": "12*3"}),
                                       ToolCall("python", {"code": "print(2)"}), ToolCall("latency", {"key": "k"})]
     assert parser.parse("12*3") == []
+    assert parser.observation([build_tool("calculator").run({"expression": "1+2"})]) == "=3;"
 
 
 # -- the sandbox: real subprocesses ---------------------------------------------------------
