@@ -14,13 +14,18 @@ model's turn begins with exactly the text the model saw plus what it produced
 role letters; characters outside it become ``<unk>``.
 
 :class:`ChatSession` turns each request of a session into token ids without
-re-tokenizing what came before: the first request's rendered text is the prompt;
-for a later one, the rendered text must extend the session's text (prompt,
-model tokens decoded with their special tokens, added messages); only the new
-suffix is tokenized and appended with mask 0. The model's tokens are appended
-as the engine returned them, mask 1. A request whose history does not extend
-the session (the client rewrote or dropped messages) starts a new segment: the
-session then holds several trajectories, and the last one is the session's.
+re-tokenizing what came before. The first request's rendering is the prompt. A
+later request whose messages extend the session's (the messages so far, the
+model's replies as the client got them, then new messages) adds only the text
+its rendering has beyond the rendering of the session's messages, tokenized
+alone, mask 0; the model's tokens stay as the engine returned them, mask 1
+(special tokens included, though the client sees the reply without them). Text
+the template puts after a reply that the model did not generate (the end token
+of a reply cut by the length cap, a newline after the end token) opens the next
+addition, mask 0. With a token cap (``max_tokens``, counted after the first prompt), an addition
+that does not fit is cut to the cap. A request whose history does not extend the session (the
+client rewrote or dropped messages) starts a new segment: the session then holds
+several trajectories, and the last one is the session's.
 """
 
 from __future__ import annotations
@@ -54,12 +59,13 @@ class Segment:
     """One token-level trajectory of a session: the first prompt, then everything after it."""
 
     prompt_ids: list[int]
-    text: str  # rendered text of prompt + response so far
+    messages: list[dict]  # the conversation so far, the model's replies as the client got them
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)
+    pending: str = ""  # template text after the last reply that the model did not generate
 
 
 class ChatSession:
@@ -79,19 +85,25 @@ class ChatSession:
 
     def prompt_for(self, messages: Sequence[dict]) -> np.ndarray:
         """Record the request's messages and return the token ids the engine continues (prompt + response)."""
-        text = render(self.tokenizer, messages)
+        messages = [dict(m) for m in messages]
         seg = self.current
-        if seg is not None and text.startswith(seg.text):
-            added = self.tokenizer.encode(text[len(seg.text):], add_special_tokens=False)
-            seg.ids.extend(added)
-            seg.mask.extend([0] * len(added))
-            seg.logprobs.extend([0.0] * len(added))
-            seg.versions.extend([seg.versions[-1] if seg.versions else 0] * len(added))
-            seg.text = text
-        else:
-            seg = Segment(self.tokenizer.encode(text, add_special_tokens=False), text)
-            self.segments.append(seg)
-        return np.asarray(seg.prompt_ids + seg.ids, np.int32)
+        if seg is not None and len(messages) > len(seg.messages) and messages[: len(seg.messages)] == seg.messages:
+            before = render(self.tokenizer, seg.messages, add_generation_prompt=False)
+            text = render(self.tokenizer, messages)
+            if text.startswith(before):
+                added = self.tokenizer.encode(seg.pending + text[len(before):], add_special_tokens=False)
+                room = None if self.max_tokens is None else self.max_tokens - len(seg.ids)
+                if room is not None and len(added) > room:  # over the cap: the message is cut, the session kept
+                    added, self.cut = added[:room], True
+                seg.ids.extend(added)
+                seg.mask.extend([0] * len(added))
+                seg.logprobs.extend([0.0] * len(added))
+                seg.versions.extend([seg.versions[-1] if seg.versions else 0] * len(added))
+                seg.messages, seg.pending = messages, ""
+                return np.asarray(seg.prompt_ids + seg.ids, np.int32)
+        seg = Segment(self.tokenizer.encode(render(self.tokenizer, messages), add_special_tokens=False), messages)
+        self.segments.append(seg)
+        return np.asarray(seg.prompt_ids, np.int32)
 
     def budget(self) -> int | None:
         """Tokens this session may still add after its first prompt (None: no cap)."""
@@ -106,9 +118,16 @@ class ChatSession:
         seg.mask.extend([1] * len(ids))
         seg.logprobs.extend(result.logprobs.tolist())
         seg.versions.extend(result.versions.tolist())
-        seg.text += self.tokenizer.decode(ids, skip_special_tokens=False)
         self.turns += 1
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        content = self.tokenizer.decode(ids, skip_special_tokens=True)
+        prompt = render(self.tokenizer, seg.messages)
+        seg.messages.append({"role": "assistant", "content": content})
+        full = render(self.tokenizer, seg.messages, add_generation_prompt=False)
+        tail = full[len(prompt) + len(content):] if full.startswith(prompt + content) else ""
+        eos = self.tokenizer.eos_token or ""
+        ended = bool(ids) and ids[-1] == self.tokenizer.eos_token_id
+        seg.pending = tail[len(eos):] if ended and eos and tail.startswith(eos) else tail
+        return content
 
     def summary(self) -> dict:
         seg = self.current

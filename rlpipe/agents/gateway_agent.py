@@ -182,6 +182,15 @@ class GatewayEpisode(Episode):
             self.enter(Phase.PROCESSING_TOOLS)
         future.set_result(result)
 
+    def reject(self, request: GenerationRequest, error: Exception) -> None:
+        """The engine refused the program's request: the program gets a 400, the episode goes on."""
+        self._in_engine.pop(request.request_id, None)
+        with self._lock:
+            future = self._waiters.pop(request.request_id)
+        if self.phase is Phase.GENERATING and not self._in_engine:
+            self.enter(Phase.PROCESSING_TOOLS)
+        future.set_exception(GatewayError(f"the rollout engine refused the request: {error}", 400))
+
     def poll(self) -> None:
         if self._in_engine or self._waiters or self._outbox:
             return  # a turn is on its way: end only between turns

@@ -134,6 +134,12 @@ class Episode:
     def close(self) -> None:
         """Release what the episode holds (called once it is terminated and collected)."""
 
+    def reject(self, request: GenerationRequest, error: Exception) -> None:
+        """The engine refused one of this episode's requests (too long for its context, ...): by default
+        that is the caller's error, raised; the gateway answers its client with it instead."""
+        self._in_engine.pop(request.request_id, None)
+        raise error
+
     # -- state and tokens -------------------------------------------------------------
 
     def enter(self, phase: Phase) -> None:
@@ -268,11 +274,27 @@ class AgentEngine(RolloutEngine):
                 self._owner[request.request_id] = rid
                 outgoing.append(request)
         if outgoing:
-            self.engine.submit(outgoing)
+            self._submit(outgoing)
         for rid in [r for r, e in self._episodes.items() if e.phase is Phase.TERMINATED and not e._in_engine]:
             episode = self._episodes.pop(rid)
             self._done.append(episode.result())
             episode.close()
+
+    def _submit(self, requests: list[GenerationRequest]) -> None:
+        """Send turn requests to the engine; one it refuses goes back to its episode (``reject``)."""
+        try:
+            self.engine.submit(requests)
+            return
+        except EngineError as exc:
+            first = exc
+        refused = [(requests[0], first)] if len(requests) == 1 else []
+        for request in requests if len(requests) > 1 else ():  # the engine takes all or none: one by one
+            try:
+                self.engine.submit([request])
+            except EngineError as exc:
+                refused.append((request, exc))
+        for request, error in refused:
+            self._episodes[self._owner.pop(request.request_id)].reject(request, error)
 
     def step(self) -> list[GenerationResult]:
         self._pump()

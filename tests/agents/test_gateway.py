@@ -95,7 +95,7 @@ def test_session_cap_cuts_but_keeps_the_session(tok, chat_model):
             {"role": "assistant", "content": r1["choices"][0]["message"]["content"]}, {"role": "user", "content": "1"}])
         assert r2["choices"][0]["finish_reason"] == "length" and r2["choices"][0]["message"]["content"] == ""
         session = gw.end_session("c")
-        assert session.cut and session.current.mask[:4] == [1] * 4
+        assert session.cut and session.current.mask == [1] * 4  # the user's message past the cap was cut
     finally:
         gw.close()
         driver.close()
@@ -147,3 +147,56 @@ def test_gateway_agent_runs_programs_and_scripts_as_trajectories(tok, chat_model
         agent.close()
     assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] and r.response_mask.tolist() == [1] * 7
     assert (r.termination, r.num_turns) == ("eos", 1)
+
+
+def test_gateway_agent_turn_aborted_by_a_push_resumes_with_both_versions(tok, chat_model):
+    from rlpipe.backends.weights import export_buckets
+
+    params = GenerateParams(n=1, max_tokens=24, temperature=0.05, agent="gateway")
+    agent = build_agent(EmbeddedEngine(copy.deepcopy(chat_model), tok), tok, params)
+    request = GenerationRequest("p0/0", tok.encode("12*3="), 24, SamplingParams(temperature=0.05, seed=1))
+    try:
+        agent.submit([request])
+        for _ in range(2000):  # until the program's first request is in the engine and has 3 tokens
+            agent.step()
+            if agent.engine.num_running():
+                break
+        for _ in range(3):
+            agent.step()
+        [partial] = agent.abort_all()  # the program's HTTP request just waits
+        assert partial.finish_reason == "abort" and len(partial.response_ids) == 3
+        agent.load_weights(export_buckets(chat_model), version=1)
+        [r] = agent.generate([partial.resume(request)])
+    finally:
+        agent.close()
+    assert r.versions.tolist() == [0] * 3 + [1] * 15
+    assert r.response_mask.tolist() == [1] * 7 + [0] * 8 + [1] * 3 and r.termination == "eos"
+
+
+def _result(tok, ids):
+    import numpy as np
+
+    from rlpipe.inference.contract import GenerationResult
+
+    n = len(ids)
+    return GenerationResult("x", np.array(ids, np.int32), np.full(n, -1.0, np.float32), np.zeros(n, np.int32),
+                            "stop" if ids[-1] == tok.eos_token_id else "length")
+
+
+def test_chat_session_keeps_special_tokens_adds_the_template_tail_and_splits_on_rewritten_history(tok):
+    from rlpipe.agents.chat import ChatSession
+
+    s = ChatSession("s", tok)
+    user = [{"role": "user", "content": "1+1="}]
+    s.prompt_for(user)
+    reply = tok.encode("2") + [tok.pad_token_id] + tok.encode("2")  # a special token inside, no <eos>: cut
+    content = s.record(_result(tok, reply))
+    assert content == "22"  # the client sees no special tokens...
+    convo = user + [{"role": "assistant", "content": content}, {"role": "tool", "content": "ok"}]
+    ids = s.prompt_for(convo).tolist()
+    seg = s.current
+    # ...but the record keeps them, and the <eos> the template adds after the cut reply is an addition (mask 0)
+    assert seg.ids == reply + [tok.eos_token_id] + tok.encode("\nT:ok\nA:")
+    assert seg.mask == [1, 1, 1] + [0] * 9 and ids == seg.prompt_ids + seg.ids
+    s.prompt_for([{"role": "user", "content": "other"}])  # rewritten history: a new segment
+    assert len(s.segments) == 2 and s.current.ids == []

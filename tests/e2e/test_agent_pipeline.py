@@ -63,3 +63,17 @@ def test_agent_pipeline_separate_async(tmp_path):
     for batch in rec.batches.values():
         _check_rows(batch)
         assert batch.column("status").to_pylist().count("failed") == 0
+
+
+def test_gateway_pipeline_runs_end_to_end(tmp_path):
+    raw = yaml.safe_load((ROOT / "pipelines/agent_gateway.yaml").read_text())
+    raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
+    raw["trainer"] = {**raw["trainer"], "output_dir": str(tmp_path), "total_steps": 2}
+    raw["data"]["prompts_per_step"] = 4
+    rec = Recorder()
+    run_pipeline(validate_config(raw), "", observer=rec, inline=True)
+    for batch in rec.batches.values():
+        _check_rows(batch)
+        prompts = batch.column("prompt_ids").to_pylist()
+        assert {len(p) for p in prompts} == {10}, batch.column("termination").to_pylist()  # the session's templated prompt "\nU:7*8=\nA:"
+        assert max(len(r) for r in batch.column("response_ids").to_pylist()) <= 24  # the session cap
