@@ -182,3 +182,22 @@ def test_generate_stage_and_rollout_service_emit_the_same_agent_rows(tok, script
     assert rows.column("response_ids").to_pylist() == table.column("response_ids").to_pylist()
     assert all(set(v) <= {0, 1} for v in rows.column("token_versions").to_pylist())
     assert isinstance(agent, AgentEngine)
+
+
+def test_scripted_episode_over_the_sglang_protocol_engine(tok, scripted_model, tmp_path):
+    """The agent drives any RolloutEngine through submit/step: here rlpipe's SGLang-protocol client talking to
+    the embedded engine served over HTTP in a child process; the episode is token for token the same."""
+    from rlpipe.inference.engines import EngineInputs, build_engine
+    from rlpipe.stage import stage_registry
+
+    impl_params = stage_registry("generate").get("sglang").params_model()
+    engine = build_engine("sglang", EngineInputs(copy.deepcopy(scripted_model), tok, impl_params, 0, str(tmp_path),
+                                                 name="test sglang"))
+    agent = build_agent(engine, tok, params())
+    try:
+        [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 30, COLD)])
+    finally:
+        agent.close()
+    eos = tok.eos_token_id
+    assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] + tok.encode(OBSERVATION) + tok.encode(TURN2) + [eos]
+    assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3 and r.termination == "eos"
