@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rlpipe.schemas.config import Strict
 
@@ -34,6 +34,27 @@ class AgentLoopParams(Strict):
     """A failed call (unknown tool, malformed call, the tool's own error): `observe` shows the model the error
     and continues; `terminate` ends the trajectory with termination `tool_error`."""
 
+    @model_validator(mode="after")
+    def _known_parts(self) -> "AgentLoopParams":
+        """Tools, their settings and the parser are checked here, before anything runs."""
+        from rlpipe.agents.parsers import TOOL_PARSERS
+        from rlpipe.agents.tools import TOOLS
+
+        if self.parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {self.parser!r}; known: {', '.join(TOOL_PARSERS.names())}")
+        unknown = sorted(set(self.tools) - set(TOOLS.names()))
+        if unknown:
+            raise ValueError(f"unknown tool(s) {unknown}; known: {', '.join(TOOLS.names())}")
+        stray = sorted(set(self.tool_settings) - set(self.tools))
+        if stray:
+            raise ValueError(f"tool_settings for {stray}, which are not in tools {self.tools}; add them to tools")
+        for name, settings in self.tool_settings.items():
+            try:
+                TOOLS.get(name)(dict(settings))
+            except TypeError as exc:
+                raise ValueError(f"tool_settings.{name}: {exc}") from None
+        return self
+
 
 class GatewayAgentParams(Strict):
     """The black-box agent (``generate.params.agent: gateway``): a program talks to an OpenAI-compatible
@@ -51,4 +72,20 @@ class GatewayAgentParams(Strict):
     """Cap on a session's tokens after its first prompt; None = the generate stage's max_tokens."""
     workers: int = Field(16, ge=1)
     """Programs running at once (threads)."""
+
+    @model_validator(mode="after")
+    def _runnable(self) -> "GatewayAgentParams":
+        from pathlib import Path
+
+        if self.script is not None:
+            if not Path(self.script).is_file():
+                raise ValueError(f"gateway.script {self.script!r} is not a file (cwd {Path.cwd()})")
+            return self
+        if self.program is None:
+            raise ValueError("set gateway.program (a registered agent program) or gateway.script")
+        from rlpipe.agents.gateway_agent import AGENT_PROGRAMS
+
+        if self.program not in AGENT_PROGRAMS:
+            raise ValueError(f"unknown agent program {self.program!r}; known: {', '.join(AGENT_PROGRAMS.names())}")
+        return self
 

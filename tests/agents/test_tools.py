@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,3 +122,23 @@ def test_python_tool_through_the_registry():
     tool = build_tool("python", {"cpu_s": 1, "wall_s": 4})
     assert tool.run({"code": "print(sum(range(5)))"}).text == "10\n"
     assert not tool.run({}).ok
+
+
+def test_agent_settings_are_checked_before_anything_runs():
+    from pydantic import ValidationError
+
+    from rlpipe.stages.generate import GenerateParams
+
+    GenerateParams(agent="tool_agent", agent_loop={"tools": ["python"], "tool_settings": {"python": {"cpu_s": 2}}})
+    for loop, text in (({"tools": ["nope"]}, "unknown tool(s) ['nope']; known: calculator, latency, python"),
+                       ({"parser": "xml"}, "unknown tool parser 'xml'; known: compact, hermes"),
+                       ({"tool_settings": {"python": {}}}, "not in tools"),
+                       ({"tools": ["python"], "tool_settings": {"python": {"cpus": 2}}}, "tool_settings.python")):
+        with pytest.raises(ValidationError, match=re.escape(text)):
+            GenerateParams(agent="tool_agent", agent_loop=loop)
+    with pytest.raises(ValidationError, match="unknown agent 'react'; known: gateway, single_turn, tool_agent"):
+        GenerateParams(agent="react")
+    with pytest.raises(ValidationError, match="unknown agent program 'x'; known: calculator_client"):
+        GenerateParams(agent="gateway", gateway={"program": "x"})
+    with pytest.raises(ValidationError, match="is not a file"):
+        GenerateParams(agent="gateway", gateway={"script": "/nonexistent/agent.py"})
