@@ -24,6 +24,10 @@ import rlpipe.stages.algos.policy_loss  # noqa: F401
 import rlpipe.stages.datasets  # noqa: F401
 import rlpipe.stages.scorers  # noqa: F401
 
+# Agents and their tools.
+import rlpipe.agents.tool_agent  # noqa: F401
+import rlpipe.agents.gateway_agent  # noqa: F401
+
 # Engine parts: worker roles and modes.
 import rlpipe.engine.state.roles  # noqa: F401
 import rlpipe.engine.state.trainer_backends  # noqa: F401

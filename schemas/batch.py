@@ -31,7 +31,16 @@ returns              list<float32>       R_i          per-token returns (critic 
 is_weights           list<float32>       R_i          rollout-correction importance weights (detached)
 sum_pi_squared       list<float32>       R_i          Σ_v π_old(v)² at each response position (optimal token baseline)
 dp_rank              int32               scalar       data-parallel rank the row is trained on
+generation_spans     list<int32>         2 × turns    [start, end) of each model turn in the response, flattened
+num_turns            int32               scalar       model turns of the trajectory (1 for single-turn)
+termination          string              scalar       eos | max_turns | max_length | tool_error | aborted
 ===================  ==================  ===========  ===============================================
+
+Agentic trajectories (:mod:`rlpipe.agents`) interleave model turns and tool
+observations in ``response_ids``: model tokens have ``response_mask`` 1 and the
+engine's logprobs and versions; observation tokens have mask 0, logprob 0 and the
+version of the turn they answer. ``generation_spans`` is not per-token: it holds
+``2 × num_turns`` offsets into the response.
 
 Stages may add columns of their own (declared in their contract); the plan
 check then uses the types they declare.
@@ -63,6 +72,9 @@ RETURNS = "returns"
 IS_WEIGHTS = "is_weights"
 SUM_PI_SQUARED = "sum_pi_squared"
 DP_RANK = "dp_rank"
+GENERATION_SPANS = "generation_spans"
+NUM_TURNS = "num_turns"
+TERMINATION = "termination"
 
 # Row statuses.
 STATUS_OK = "ok"
@@ -93,6 +105,9 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     IS_WEIGHTS: pa.list_(pa.float32()),
     SUM_PI_SQUARED: pa.list_(pa.float32()),
     DP_RANK: pa.int32(),
+    GENERATION_SPANS: pa.list_(pa.int32()),
+    NUM_TURNS: pa.int32(),
+    TERMINATION: pa.string(),
 }
 
 # Columns every prompt batch (the data loader's output) carries.
@@ -106,4 +121,4 @@ def column_type(name: str) -> pa.DataType:
 
 def is_token_level(name: str) -> bool:
     """True for jagged per-response-token columns."""
-    return name in COLUMN_TYPES and pa.types.is_list(COLUMN_TYPES[name]) and name != PROMPT_IDS
+    return name in COLUMN_TYPES and pa.types.is_list(COLUMN_TYPES[name]) and name not in (PROMPT_IDS, GENERATION_SPANS)

@@ -6,7 +6,8 @@ A dataset is ``fn(params, seed) -> pa.Table``: the whole set, with string column
 model so ``data.params`` of a YAML is validated before anything runs. Built-ins:
 ``digits`` (a learnable toy task generated locally, the quickstart: ``"371="`` →
 ``"2"``), ``jsonl`` / ``parquet`` (local files, configurable field names) and
-``gsm8k_sample`` (templated GSM8K-style word problems with integer answers,
+``arithmetic`` (``"7*8="`` → ``"56"``: the agent pipelines' task, solvable with a
+calculator tool), ``gsm8k_sample`` (templated GSM8K-style word problems with integer answers,
 generated deterministically; ``pipelines/data/gsm8k_sample.jsonl`` holds 100, made by
 ``python -c "from rlpipe.stages.datasets import *; write_jsonl(load_dataset('gsm8k_sample',
 {'size': 100}, 0), 'pipelines/data/gsm8k_sample.jsonl')"``).
@@ -343,3 +344,29 @@ def gsm8k_sample(params: Gsm8kSampleParams, seed: int) -> pa.Table:
     problems = [_problem(rng) for _ in range(params.size)]
     prompts = [f"{q} {params.instruction}".strip() for q, _ in problems]
     return _table(prompts, [str(a) for _, a in problems], "gsm8k")
+
+
+class ArithmeticParams(DatasetParams):
+    ops: str = Field("*", min_length=1, pattern=r"^[+\-*]+$")
+    """Operators drawn from (any of + - *), e.g. "*" or "+-*"."""
+    min_value: int = Field(2, ge=0)
+    """Smallest operand."""
+    max_value: int = Field(9, ge=0)
+    """Largest operand."""
+    size: int = Field(1024, ge=1)
+    """Number of examples."""
+    data_source: str = "tool_answer"
+    """The scorer route of every row (`tool_answer` scores the text after the last tool observation)."""
+
+
+@dataset("arithmetic", ArithmeticParams)
+def arithmetic(params: ArithmeticParams, seed: int) -> pa.Table:
+    """``a<op>b=`` with integer answers; a model that calls the calculator can always get them right."""
+    if params.max_value < params.min_value:
+        raise DatasetError("data.params.max_value is smaller than min_value; swap them")
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(params.min_value, params.max_value + 1, size=(2, params.size))
+    ops = np.array(list(params.ops))[rng.integers(0, len(params.ops), size=params.size)]
+    values = np.where(ops == "+", a + b, np.where(ops == "-", a - b, a * b))
+    prompts = [f"{x}{op}{y}=" for x, op, y in zip(a.tolist(), ops.tolist(), b.tolist())]
+    return _table(prompts, [str(v) for v in values.tolist()], params.data_source)

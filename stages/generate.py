@@ -17,9 +17,17 @@ streams are keyed by ``uid/sample_index``, so a rerun reproduces every token.
 without the engine call; the async modes' rollout service
 (:mod:`rlpipe.engine.state.rollout_service`) uses them, so its rows equal this stage's.
 
-Left out: multi-turn tool use and partial rollouts across steps (the agent loop
-and the async modes submit to the same engine themselves); this stage runs one
-synchronous generation to completion.
+Agents: ``params.agent`` names how a trajectory is produced (registry ``agent``,
+:mod:`rlpipe.agents`): ``single_turn`` (one generation, the default),
+``tool_agent`` (multi-turn tool calls, settings under ``params.agent_loop``) or
+``gateway`` (a black-box agent program behind an OpenAI-compatible gateway,
+settings under ``params.gateway``). An agent is itself a rollout engine wrapping
+the replica's engine, so this stage, the async modes and weight pushes drive it
+unchanged; its rows carry their own ``response_mask``, ``generation_spans``,
+``num_turns`` and ``termination``.
+
+Left out: partial rollouts across steps (the async modes' rollout service does
+them); this stage runs one synchronous generation to completion.
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
+from rlpipe.agents.config import AgentLoopParams, GatewayAgentParams
 from rlpipe.inference.contract import GenerationRequest, GenerationResult, SamplingParams
 from rlpipe.inference.sglang_engine import SGLangParams
 from rlpipe.inference.vllm_server import VLLMParams
@@ -40,7 +49,9 @@ from rlpipe.errors import BatchError
 from rlpipe.jagged import from_flat, offsets_and_values
 from rlpipe.schemas.batch import (
     DATA_SOURCE,
+    GENERATION_SPANS,
     GROUND_TRUTH,
+    NUM_TURNS,
     PROMPT_IDS,
     PROMPT_STEP,
     RESPONSE_IDS,
@@ -52,6 +63,7 @@ from rlpipe.schemas.batch import (
     STATUS_ABORTED,
     STATUS_OK,
     STATUS_TRUNCATED,
+    TERMINATION,
     TOKEN_VERSIONS,
     UID,
     column_type,
@@ -59,6 +71,7 @@ from rlpipe.schemas.batch import (
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
 
 _STATUS = {"stop": STATUS_OK, "length": STATUS_TRUNCATED, "abort": STATUS_ABORTED}
+_TERMINATION = {"stop": "eos", "length": "max_length", "abort": "aborted"}
 PASS_THROUGH = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
 """Prompt columns every trajectory row carries over from its prompt row."""
 
@@ -93,6 +106,23 @@ class GenerateParams(StageParams):
     env_latency_max_s, seeded per request. 0 = none. Wall time only: it takes no compute."""
     env_latency_max_s: float = Field(10.0, gt=0)
     """Cap of the environment latency draw."""
+    agent: str = "single_turn"
+    """How a trajectory is produced (registry `agent`): `single_turn` (one generation), `tool_agent` (multi-turn
+    tool calls, see `agent_loop`) or `gateway` (an agent program behind an OpenAI-compatible gateway, see
+    `gateway`). With an agent, max_tokens caps the whole response: model and observation tokens together."""
+    agent_loop: AgentLoopParams = Field(default_factory=AgentLoopParams)
+    """Settings of the `tool_agent`: tools, call format, turn and observation limits."""
+    gateway: GatewayAgentParams = Field(default_factory=GatewayAgentParams)
+    """Settings of the `gateway` agent: the agent program, session timeout and cap."""
+
+    @field_validator("agent")
+    @classmethod
+    def _known_agent(cls, value: str) -> str:
+        from rlpipe.agents.loop import AGENTS
+
+        if value not in AGENTS:
+            raise ValueError(f"unknown agent {value!r}; known: {', '.join(AGENTS.names())}")
+        return value
 
 
 def generation_seed(ctx: StageContext) -> int:
@@ -104,16 +134,22 @@ def generation_seed(ctx: StageContext) -> int:
 def generate(worker: Any, batch: pa.Table, params: GenerateParams, ctx: StageContext) -> StageResult:
     """Sample ``params.n`` responses for every prompt row of ``batch``."""
     rows, sample_index, requests = group_requests(batch, params, generation_seed(ctx))
+    engine, own = rollout_engine(worker, params)
     start = time.perf_counter()
-    results = worker.engine.generate(requests)
+    try:
+        results = engine.generate(requests)
+    finally:
+        if own:
+            engine.close_agent()
     elapsed = time.perf_counter() - start
     table = trajectory_table(batch.take(pa.array(rows)), sample_index, results, worker.tokenizer)
     return StageResult(table=table, metrics=_metrics(results, elapsed))
 
 
 _READS = cols(UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
-_WRITES = cols(UID, SAMPLE_INDEX, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK,
-               RESPONSE_TEXT, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, STATUS, PROMPT_STEP)
+_ORDER = (UID, SAMPLE_INDEX, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_TEXT,
+          ROLLOUT_LOGPROBS, TOKEN_VERSIONS, STATUS, PROMPT_STEP, GENERATION_SPANS, NUM_TURNS, TERMINATION)
+_WRITES = cols(*_ORDER)
 
 
 class SGLangGenerateParams(GenerateParams):
@@ -136,6 +172,17 @@ for _impl, _params in (("embedded", GenerateParams), ("sglang", SGLangGeneratePa
     # one function for every engine: the replica's engine (rlpipe.inference.engines) is the only difference
     stage("generate", _impl, placement="worker", role="rollout", creates_rows=True, reads=_READS, writes=_WRITES,
           params=_params)(generate)
+
+
+def rollout_engine(worker: Any, params: GenerateParams) -> tuple[Any, bool]:
+    """The engine this stage drives and whether it was built for this call: the worker's engine when it already
+    runs ``params.agent`` (rollout replicas wrap theirs at start), else the agent wrapped around it."""
+    from rlpipe.agents.loop import AgentEngine, build_agent
+
+    engine = worker.engine
+    if params.agent == "single_turn" or isinstance(engine, AgentEngine):
+        return engine, False
+    return build_agent(engine, worker.tokenizer, params), True
 
 
 def request_id(uid: str, sample_index: int) -> str:
@@ -203,17 +250,31 @@ def trajectory_table(
     columns = {name: expanded.column(name).cast(column_type(name)) for name in PASS_THROUGH}
     columns[SAMPLE_INDEX] = pa.array(sample_index, type=column_type(SAMPLE_INDEX))
     columns[RESPONSE_IDS] = from_flat(ids, lens, pa.int32())
-    columns[RESPONSE_MASK] = from_flat(np.ones(len(ids), np.int8), lens, pa.int8())  # every token is the model's
+    masks = [getattr(r, "response_mask", None) for r in results]  # agents' results carry theirs
+    columns[RESPONSE_MASK] = from_flat(
+        _concat([np.ones(len(r.response_ids), np.int8) if m is None else m for r, m in zip(results, masks)], np.int8),
+        lens, pa.int8())
+    prompts = [getattr(r, "prompt_ids", None) for r in results]  # a gateway session has its own prompt
+    if any(p is not None for p in prompts):
+        old = columns[PROMPT_IDS].to_pylist()
+        columns[PROMPT_IDS] = pa.array([o if p is None else p.tolist() for o, p in zip(old, prompts)],
+                                       type=column_type(PROMPT_IDS))
     columns[RESPONSE_TEXT] = pa.array(
         tokenizer.batch_decode([r.response_ids.tolist() for r in results], skip_special_tokens=True),
         type=column_type(RESPONSE_TEXT),
     )
     columns[ROLLOUT_LOGPROBS] = from_flat(_concat([r.logprobs for r in results], np.float32), lens, pa.float32())
     columns[TOKEN_VERSIONS] = from_flat(_concat([r.versions for r in results], np.int32), lens, pa.int32())
-    columns[STATUS] = pa.array([_STATUS[r.finish_reason] for r in results], type=column_type(STATUS))
-    order = (UID, SAMPLE_INDEX, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK,
-             RESPONSE_TEXT, ROLLOUT_LOGPROBS, TOKEN_VERSIONS, STATUS, PROMPT_STEP)
-    return pa.table({name: columns[name] for name in order})
+    columns[STATUS] = pa.array([getattr(r, "status", None) or _STATUS[r.finish_reason] for r in results],
+                               type=column_type(STATUS))
+    spans = [np.array([[0, n]], np.int32) if getattr(r, "generation_spans", None) is None else r.generation_spans
+             for r, n in zip(results, lens.tolist())]
+    columns[GENERATION_SPANS] = from_flat(_concat([s.reshape(-1) for s in spans], np.int32),
+                                          np.array([s.size for s in spans], np.int64), pa.int32())
+    columns[NUM_TURNS] = pa.array([getattr(r, "num_turns", 1) for r in results], type=column_type(NUM_TURNS))
+    columns[TERMINATION] = pa.array([getattr(r, "termination", None) or _TERMINATION[r.finish_reason]
+                                     for r in results], type=column_type(TERMINATION))
+    return pa.table({name: columns[name] for name in _ORDER})
 
 
 def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -230,4 +291,5 @@ def _metrics(results: list[GenerationResult], elapsed: float) -> dict[str, float
         "generate/response_length_max": float(lens.max()),
         "generate/truncated_fraction": float(truncated),
         "generate/tokens_per_s": float(lens.sum() / max(elapsed, 1e-9)),
+        "generate/turns_mean": float(np.mean([getattr(r, "num_turns", 1) for r in results])),
     }

@@ -13,6 +13,9 @@ Built-ins:
 * ``digits`` — partial credit for the toy task: matching positions of the response
   (whitespace removed) and the target, over the longer of the two, so the first
   ``len(target)`` characters earn credit and only the exact answer scores 1.
+* ``tool_answer`` — for agent trajectories: the final answer is the text after
+  the last tool observation (after the last ``</tool_response>`` or the compact
+  format's ``;``), scored like ``digits`` (partial credit per matching position).
 * ``math`` / ``gsm8k`` — extract the final answer (after the last ``####``, else
   the last ``\\boxed{}``, else the last number), verify with ``math_verify``, fall
   back to numeric comparison; 0 or 1.
@@ -99,6 +102,16 @@ def digits(responses: TextColumn, ground_truths: TextColumn) -> np.ndarray:
     matched = ((resp == tgt) & (tgt != 0)).sum(axis=1)
     denom = np.maximum(target_len, response_len)
     return np.where(target_len > 0, matched / np.maximum(denom, 1), 0.0).astype(np.float32)
+
+
+_OBSERVATION_END = re.compile(r"</tool_response>|;")
+
+
+@SCORERS.register("tool_answer")
+def tool_answer(responses: TextColumn, ground_truths: TextColumn) -> np.ndarray:
+    """``digits`` on the text after the last tool observation (the whole response if it called no tool)."""
+    finals = [_OBSERVATION_END.split(r)[-1] for r in texts(responses)]
+    return digits(finals, ground_truths)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")

@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_builtins_registered_with_params_models():
-    for name in ("digits", "jsonl", "parquet", "gsm8k_sample"):
+    for name in ("digits", "jsonl", "parquet", "gsm8k_sample", "arithmetic"):
         spec = dataset_spec(name)
         assert isinstance(spec, DatasetSpec) and spec.name == name
     assert dataset_spec("digits").params_model is DigitsParams
-    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: digits, gsm8k_sample, jsonl, parquet"):
+    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: arithmetic, digits, gsm8k_sample, jsonl, parquet"):
         dataset_spec("nope")
 
 
@@ -149,3 +149,12 @@ def test_gsm8k_sample_is_deterministic_and_self_consistent():
 def test_shipped_gsm8k_sample_file_matches_the_generator():
     shipped = load_dataset("jsonl", {"path": str(REPO / "pipelines/data/gsm8k_sample.jsonl")}, 0)
     assert shipped.equals(load_dataset("gsm8k_sample", {"size": 100}, 0))
+
+
+def test_arithmetic_dataset_answers_its_prompts():
+    from rlpipe.stages.datasets import load_dataset
+
+    table = load_dataset("arithmetic", {"ops": "+-*", "min_value": 2, "max_value": 12, "size": 300}, seed=3)
+    for prompt, answer in zip(table.column("prompt").to_pylist(), table.column("ground_truth").to_pylist()):
+        assert prompt.endswith("=") and str(eval(prompt[:-1])) == answer  # test-only check of the generator
+    assert set(table.column("data_source").to_pylist()) == {"tool_answer"}

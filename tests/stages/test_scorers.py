@@ -114,3 +114,12 @@ def test_code_rejects_bad_options_and_empty_tests():
 def test_infra_error_keeps_its_fields_across_processes():
     err = pickle.loads(pickle.dumps(ScorerInfraError("down", failed=[1], scores=[0.5, 0.0])))
     assert str(err) == "down" and err.failed.tolist() == [1] and err.scores.tolist() == [0.5, 0.0]
+
+
+def test_tool_answer_scores_the_text_after_the_last_observation():
+    from rlpipe.stages.scorers import SCORERS
+
+    score = SCORERS.get("tool_answer")
+    got = score(["[7*8]=56;56", "[7*8]=56;5", "<tool_call>{}</tool_call><tool_response>56</tool_response>56",
+                 "56", "[7*8]=56;"], ["56"] * 5)
+    assert got.tolist() == [1.0, 0.5, 1.0, 1.0, 0.0]

@@ -257,3 +257,20 @@ def test_update_on_cuda_equals_the_update_on_cpu():
     m_cpu, m_gpu = run_update(cpu, table), run_update(gpu, table)
     assert_same_params([p.cpu() for p in params_of(gpu.model)], params_of(cpu.model), atol=1e-5)
     assert m_gpu["actor/pg_loss"] == pytest.approx(m_cpu["actor/pg_loss"], abs=1e-5)
+
+
+def test_mask_zero_tokens_never_reach_the_gradient():
+    """Agent trajectories: tool-observation tokens (mask 0) may carry any advantage and old logprob
+    (here absurd ones) without changing the update by a single bit."""
+    states = [TrainState(config(), 0, 1, None) for _ in range(2)]
+    table = batch(states[0].model, old_shift=0.05)
+    garbage = lambda column, value: pa.array(  # noqa: E731
+        [[x if m else value for x, m in zip(row, mask)] for row, mask in zip(table.column(column).to_pylist(), MASKS)],
+        F32)
+    poisoned = table.set_column(table.schema.get_field_index("advantages"), "advantages", garbage("advantages", 1e4))
+    poisoned = poisoned.set_column(poisoned.schema.get_field_index("old_logprobs"), "old_logprobs",
+                                   garbage("old_logprobs", -80.0))
+    metrics = [run_update(s, t) for s, t in zip(states, (table, poisoned))]
+    for a, b in zip(params_of(states[0].model), params_of(states[1].model)):
+        assert torch.equal(a, b)
+    assert metrics[0]["actor/grad_norm"] == metrics[1]["actor/grad_norm"]

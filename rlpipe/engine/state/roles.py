@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from rlpipe.agents.loop import build_agent
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
@@ -61,7 +62,8 @@ class RoleSpec:
 
 
 class RolloutState:
-    """A rollout replica: its rollout engine (the one ``generate.impl`` names) and the policy tokenizer."""
+    """A rollout replica: its rollout engine (the one ``generate.impl`` names, behind the agent
+    ``generate.params.agent`` names) and the policy tokenizer."""
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
         torch.set_num_threads(config.trainer.torch_threads)
@@ -71,7 +73,9 @@ class RolloutState:
         impl, params = _generate_stage(config)
         workdir = os.path.join(tempfile.gettempdir(), f"rlpipe-{config.name}-rollout{rank}-{os.getpid()}")
         inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}")
-        self.engine = build_engine(impl, inputs)
+        engine = build_engine(impl, inputs)
+        # the agent (generate.params.agent) wraps the engine: generate, the rollout service and pushes drive it alike
+        self.engine = engine if params is None else build_agent(engine, self.tokenizer, params)
         self._released_aborted = 0
 
     def load_weights(self, buckets, version: int) -> int:

@@ -1,0 +1,340 @@
+"""An OpenAI-compatible gateway in front of rollout engines, recording every session's tokens (seed 5.3).
+
+A black-box agent (anything that speaks the OpenAI chat API) is pointed at the
+gateway's base URL; each of its requests is rendered with the chat template
+(:mod:`rlpipe.agents.chat`), sent to a rollout engine as token ids, and the
+session's token-level trajectory — prompt, model tokens (mask 1, logprobs,
+policy versions), tokens of the messages the client added (mask 0), per-turn
+spans — is recorded. Sessions end explicitly (``POST /v1/sessions/<id>/end`` or
+:meth:`Gateway.end_session`) and are then handed out as trajectories.
+
+Endpoints (stdlib :class:`~http.server.ThreadingHTTPServer`, JSON only)::
+
+    GET  /v1/models                    the one served model
+    POST /v1/chat/completions          messages, max_tokens | max_completion_tokens, temperature, top_p, seed,
+                                       user | session (the session id); no streaming, n = 1
+    POST /v1/sessions/<id>/end         end a session; returns its summary
+    GET  /health
+
+The session id comes from the path prefix ``/s/<id>/v1/…`` (so a base URL can
+carry it to an agent that cannot set headers), else the ``X-Session-Id``
+header, else the body's ``session`` or ``user`` field, else a fresh id per
+request. Engine request id = ``<session id>#<turn>``, and a session sticks to
+one engine (a stable hash of its id): its prefix stays on one replica (seed 5.3.2).
+
+Binds 127.0.0.1 by default; with ``api_key`` set, requests need
+``Authorization: Bearer <api_key>`` (else 401). Malformed requests get 4xx JSON
+errors; a session over its token cap is cut (``finish_reason: length`` and an
+empty reply), its trajectory kept. Temperature 0 is sent as 1e-5 (the engines
+sample; there is no greedy path). Left out: streaming, ``n > 1``, tool-call
+objects in replies (the model's calls stay in the reply text), other APIs
+(completions, responses, Anthropic messages), idle-session timeouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Protocol, Sequence
+
+from rlpipe.agents.chat import ChatSession
+from rlpipe.errors import RlpipeError
+from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "rlpipe-policy"
+
+
+class GatewayError(RlpipeError):
+    """A request the gateway refuses; ``status`` is the HTTP status it answers with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class Backend(Protocol):
+    def complete(self, session_id: str, request: GenerationRequest) -> GenerationResult:
+        """Generate ``request`` (blocking) on the engine this session sticks to."""
+
+
+def sticky_index(session_id: str, replicas: int) -> int:
+    """The replica a session sticks to: a stable hash of its id."""
+    return int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest(), "little") % replicas
+
+
+class EngineDriver:
+    """A :class:`Backend` over engines nobody else drives: one thread per engine steps it while work is queued."""
+
+    def __init__(self, engines: Sequence[RolloutEngine]):
+        self.engines = list(engines)
+        self._queues: list[list[tuple[GenerationRequest, Future]]] = [[] for _ in self.engines]
+        self._cond = threading.Condition()
+        self._stop = False
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True, name=f"gateway-engine-{i}")
+                         for i in range(len(self.engines))]
+        for t in self._threads:
+            t.start()
+
+    def complete(self, session_id: str, request: GenerationRequest) -> GenerationResult:
+        future: Future = Future()
+        with self._cond:
+            self._queues[sticky_index(session_id, len(self.engines))].append((request, future))
+            self._cond.notify_all()
+        return future.result()
+
+    def _loop(self, i: int) -> None:
+        engine, waiting = self.engines[i], {}
+        while True:
+            with self._cond:
+                while not self._stop and not self._queues[i] and not waiting:
+                    self._cond.wait()
+                if self._stop:
+                    break
+                queued, self._queues[i] = self._queues[i], []
+            for request, future in queued:
+                try:
+                    engine.submit([request])
+                    waiting[request.request_id] = future
+                except EngineError as exc:
+                    future.set_exception(exc)
+            if waiting:
+                try:
+                    results = engine.step()
+                except Exception as exc:  # noqa: BLE001 - every waiting caller learns of it
+                    for future in waiting.values():
+                        future.set_exception(exc)
+                    waiting = {}
+                    continue
+                for result in results:
+                    waiting.pop(result.request_id).set_result(result)
+        for future in waiting.values():
+            future.set_exception(EngineError("the gateway was closed while this request ran"))
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(5)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 512  # the default backlog of 5 resets concurrent agents' connections
+
+
+class Gateway:
+    """The HTTP gateway: ``start()`` it, point clients at :attr:`base_url`, ``end_session`` to collect."""
+
+    def __init__(self, backend: Backend, tokenizer: Any, api_key: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0, max_session_tokens: int | None = None, default_max_tokens: int = 256,
+                 on_session: Callable[[ChatSession], None] | None = None):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.api_key = api_key
+        self.max_session_tokens = max_session_tokens
+        self.default_max_tokens = default_max_tokens
+        self.on_session = on_session
+        self._sessions: dict[str, ChatSession] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._ended: dict[str, None] = {}  # ids of ended sessions, oldest first
+        self._lock = threading.Lock()
+        self._server = _Server((host, port), _handler(self))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def session_url(self, session_id: str) -> str:
+        """A base URL that carries the session id (for agents that cannot set headers)."""
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/s/{session_id}/v1"
+
+    def start(self) -> "Gateway":
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="rlpipe-gateway")
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5)
+            self._thread = None
+        self._server.server_close()
+
+    # -- sessions -----------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> tuple[ChatSession, threading.Lock]:
+        with self._lock:
+            if session_id in self._ended:
+                raise GatewayError(f"session {session_id!r} has ended; use a new session id", 409)
+            if session_id not in self._sessions:
+                self._sessions[session_id] = ChatSession(session_id, self.tokenizer, self.max_session_tokens)
+                self._locks[session_id] = threading.Lock()
+            return self._sessions[session_id], self._locks[session_id]
+
+    def end_session(self, session_id: str, wait: bool = True) -> ChatSession | None:
+        """End a session (later requests in it get 409) and return its record (None if it never spoke).
+
+        With ``wait`` a turn in flight finishes recording first; the agent loop passes False (it ends a
+        session only between turns, and must not block the thread that completes turns)."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            lock = self._locks.pop(session_id, None)
+            self._ended[session_id] = None
+            while len(self._ended) > 100_000:  # remember recent ids only
+                self._ended.pop(next(iter(self._ended)))
+        if lock is not None and wait:
+            with lock:
+                pass
+        if session is not None and self.on_session is not None:
+            self.on_session(session)
+        return session
+
+    def reopen(self, session_id: str) -> None:
+        """Allow an ended session id to start again (a new session)."""
+        with self._lock:
+            self._ended.pop(session_id, None)
+
+    def sessions(self) -> list[str]:
+        with self._lock:
+            return sorted(self._sessions)
+
+    # -- one chat completion -------------------------------------------------------------
+
+    def chat(self, body: Any, session_id: str | None) -> dict:
+        messages = _messages(body)
+        if body.get("stream"):
+            raise GatewayError("stream: true is not supported by the rlpipe gateway; send stream: false")
+        if body.get("n", 1) != 1:
+            raise GatewayError("n must be 1")
+        session_id = session_id or body.get("session") or body.get("user") or f"anon-{uuid.uuid4().hex}"
+        if not isinstance(session_id, str) or not re.fullmatch(r"[\w.:@-]{1,128}", session_id):
+            raise GatewayError("a session id is 1-128 characters of letters, digits and _.:@-")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.default_max_tokens
+        temperature, top_p, seed = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("seed", 0)
+        if not (isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(temperature, (int, float))
+                and isinstance(top_p, (int, float)) and 0 < top_p <= 1 and isinstance(seed, int)):
+            raise GatewayError("max_tokens must be an integer >= 1, temperature a number, 0 < top_p <= 1, "
+                               "seed an integer")
+        session, lock = self._session(session_id)
+        with lock:
+            prompt = session.prompt_for(messages)
+            budget = session.budget()
+            if budget is not None and budget <= 0:
+                session.cut = True
+                return _reply(session, "", "length", 0, len(prompt), [])
+            request = GenerationRequest(
+                f"{session_id}#{session.turns}", prompt, min(max_tokens, budget or max_tokens),
+                SamplingParams(temperature=max(float(temperature), 1e-5), top_p=float(top_p), seed=seed))
+            try:
+                result = self.backend.complete(session_id, request)
+            except EngineError as exc:
+                raise GatewayError(f"the rollout engine refused the request: {exc}", 400) from exc
+            text = session.record(result)
+            if budget is not None and len(result.response_ids) >= budget:
+                session.cut = True
+            reason = "length" if result.finish_reason == "length" else "stop"
+            return _reply(session, text, reason, len(result.response_ids), len(prompt), result.versions.tolist())
+
+
+def _messages(body: Any) -> list[dict]:
+    if not isinstance(body, dict):
+        raise GatewayError("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise GatewayError("`messages` must be a non-empty list of {role, content} objects")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (m.get("content") is None or isinstance(m.get("content"), str))):
+            raise GatewayError("every message needs a string `role` and a string (or null) `content`")
+    return [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+
+
+def _reply(session: ChatSession, text: str, reason: str, completion: int, prompt: int, versions: list) -> dict:
+    return {
+        "id": f"chatcmpl-{session.id}-{session.turns}", "object": "chat.completion", "created": int(time.time()),
+        "model": MODEL_NAME,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+        "rlpipe": {"session": session.id, "turn": session.turns, "versions": sorted(set(versions))},
+    }
+
+
+def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # the access log goes to logging, not stderr
+            log.debug("gateway: " + fmt, *args)
+
+        def _send(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str) -> None:
+            kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+            self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+
+        def _route(self) -> tuple[str | None, str]:
+            m = re.fullmatch(r"/s/([^/]+)(/.*)", self.path.split("?")[0])
+            return (m.group(1), m.group(2)) if m else (self.headers.get("X-Session-Id"), self.path.split("?")[0])
+
+        def _authorized(self) -> bool:
+            if gateway.api_key is None or self.headers.get("Authorization") == f"Bearer {gateway.api_key}":
+                return True
+            self._error(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the run's key")
+            return False
+
+        def do_GET(self):
+            _, path = self._route()
+            if path == "/health":
+                return self._send(200, {"status": "ok"})
+            if not self._authorized():
+                return
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [
+                    {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "rlpipe"}]})
+            self._error(404, f"no route GET {path}; the gateway serves /v1/models and /v1/chat/completions")
+
+        def do_POST(self):
+            session_id, path = self._route()
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            if not self._authorized():
+                return
+            try:
+                if path == "/v1/chat/completions":
+                    try:
+                        body = json.loads(raw or b"null")
+                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                        raise GatewayError(f"the request body is not valid JSON: {exc}") from None
+                    return self._send(200, gateway.chat(body, session_id))
+                m = re.fullmatch(r"/v1/sessions/([^/]+)/end", path)
+                if m:
+                    session = gateway.end_session(m.group(1))
+                    return self._send(200, session.summary() if session else {"session": m.group(1), "turns": 0})
+                self._error(404, f"no route POST {path}; the gateway serves /v1/chat/completions")
+            except GatewayError as exc:
+                self._error(exc.status, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a bad request must never kill the server
+                log.exception("gateway: request failed")
+                self._error(500, f"internal error: {exc!r}")
+
+    return Handler
