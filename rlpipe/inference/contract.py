@@ -25,7 +25,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -93,6 +93,17 @@ def make_result(
         versions=np.concatenate([np.asarray(request.versions, np.int32), np.full(len(new_ids), version, np.int32)]),
         finish_reason=reason,
     )
+
+
+def check_new_requests(requests: Sequence[GenerationRequest], in_flight: set[str],
+                       validate: Callable[[GenerationRequest], None]) -> None:
+    """Validate every request and refuse ids already in flight (or repeated), before any is queued."""
+    known = set(in_flight)
+    for request in requests:
+        validate(request)
+        if request.request_id in known:
+            raise EngineError(f"request id {request.request_id!r} is already in flight; ids must be unique")
+        known.add(request.request_id)
 
 
 class RolloutEngine(abc.ABC):
@@ -198,6 +209,14 @@ class RolloutEngine(abc.ABC):
                     others.append(result)
         self._keep_for_next_step(others)
         return [found[r.request_id] for r in requests]
+
+    def _check_push(self, version: int) -> None:
+        """What every engine refuses at a weight push: requests in flight, a version that goes back."""
+        if self.num_running():
+            raise EngineError(f"{self.num_running()} request(s) in flight: abort or finish in-flight requests "
+                              "before a weight push")
+        if version < self.version:
+            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
 
     def _keep_for_next_step(self, results: list[GenerationResult]) -> None:
         """Hand results of other callers back so the next ``step()`` returns them."""

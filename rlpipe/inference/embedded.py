@@ -43,6 +43,7 @@ from rlpipe.inference.contract import (
     GenerationResult,
     RolloutEngine,
     SamplingParams,
+    check_new_requests,
     make_result,
 )
 from rlpipe.backends.weights import WeightBucket, load_buckets
@@ -98,12 +99,8 @@ class EmbeddedEngine(RolloutEngine):
         """Queue requests; they are prefilled by the next ``step()``."""
         self._check_ready()
         requests = list(requests)
-        known = {r.request_id for r in self._pending} | {r.request_id for c in self._cohorts for r in c.requests}
-        for request in requests:
-            self._validate(request)
-            if request.request_id in known:
-                raise EngineError(f"request id {request.request_id!r} is already in flight; ids must be unique")
-            known.add(request.request_id)
+        in_flight = {r.request_id for r in self._pending} | {r.request_id for c in self._cohorts for r in c.requests}
+        check_new_requests(requests, in_flight, self._validate)
         for request in requests:
             if len(request.response_ids) >= request.max_tokens:
                 self._done.append(make_result(request, (), (), self.version, "length"))
@@ -169,12 +166,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> dict[str, float]:
         """Load pushed weights (checked before any is written) and adopt their policy ``version``."""
-        if self.num_running():
-            raise EngineError(
-                f"{self.num_running()} request(s) in flight: abort or finish in-flight requests before a weight push"
-            )
-        if version < self.version:
-            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        self._check_push(version)
         start = time.perf_counter()
         self._reallocate()
         load_buckets(self.model, buckets)

@@ -47,7 +47,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlpipe.inference import json_http, sglang_launch, sglang_wire
-from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, RolloutEngine
+from rlpipe.inference.contract import (
+    EngineError, GenerationRequest, GenerationResult, RolloutEngine, check_new_requests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +161,7 @@ class SGLangEngine(RolloutEngine):
         self._check_usable()
         requests = list(requests)
         with self._cond:
-            known = set(self._flights) | {r.request_id for r in self._held}
-            for r in requests:
-                _validate(r)
-                if r.request_id in known:
-                    raise EngineError(f"request id {r.request_id!r} is already in flight; ids must be unique")
-                known.add(r.request_id)
+            check_new_requests(requests, set(self._flights) | {r.request_id for r in self._held}, _validate)
             now = time.monotonic()
             for r in requests:
                 if len(r.response_ids) >= r.max_tokens:
@@ -323,11 +320,7 @@ class SGLangEngine(RolloutEngine):
 
     def load_weights(self, buckets: Sequence[Any], version: int) -> dict[str, float]:
         """Ship ``buckets`` (see ``weight_transport``), label them ``version``, flush the server's cache."""
-        if self.num_running():
-            raise EngineError(f"{self.num_running()} request(s) in flight: abort or finish in-flight requests "
-                              "before a weight push")
-        if version < self.version:
-            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        self._check_push(version)
         buckets = list(buckets)
         timings = {"bytes": float(sum(b.nbytes for b in buckets))}
         if not buckets:

@@ -89,6 +89,7 @@ from rlpipe.inference.contract import (
     GenerationRequest,
     GenerationResult,
     RolloutEngine,
+    check_new_requests,
     make_result,
 )
 from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
@@ -140,12 +141,7 @@ class VLLMEngine(RolloutEngine):
         requests = list(requests)
         with self._cond:
             self._raise_error()
-            known = set(self._inflight) | {r.request_id for r in self._waiting}
-            for request in requests:
-                self._validate(request)
-                if request.request_id in known:
-                    raise EngineError(f"request id {request.request_id!r} is already in flight; ids must be unique")
-                known.add(request.request_id)
+            check_new_requests(requests, set(self._inflight) | {r.request_id for r in self._waiting}, self._validate)
             for request in requests:
                 if len(request.response_ids) >= request.max_tokens:
                     self._done.append(make_result(request, (), (), self.version, "length"))
@@ -284,11 +280,7 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> dict[str, float]:
         """Push buckets into the server (checked first), adopt ``version``, reset its prefix cache."""
-        if self.num_running():
-            raise EngineError(f"{self.num_running()} request(s) in flight: abort or finish in-flight requests "
-                              "before a weight push")
-        if version < self.version:
-            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        self._check_push(version)
         buckets = list(buckets)
         self._check_buckets(buckets)
         start = time.perf_counter()
