@@ -42,7 +42,6 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-import threading
 from typing import Any
 
 import numpy as np
@@ -50,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ConfigDict, Field, model_validator
 
+from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.errors import ConfigError
 from rlpipe.jagged import last_token_placement
 from rlpipe.schemas.batch import (
@@ -142,26 +142,12 @@ def call_scorer(name: str, responses: pa.Array, truths: pa.Array, options: dict[
                 timeout_s: float | None) -> Any:
     """The scorer's scores, waiting at most ``timeout_s`` (module docstring: why a daemon thread)."""
     fn = SCORERS.get(name)
-    if timeout_s is None:
-        return fn(responses, truths, **options)
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["scores"] = fn(responses, truths, **options)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the stage's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=f"rlpipe-scorer-{name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    try:
+        return call_with_deadline(lambda: fn(responses, truths, **options), timeout_s, f"scorer {name!r}")
+    except StageTimeout:
         log.warning("scorer %r gave no scores for %d rows within scorer_timeout_s=%g s; those rows are marked "
                     "failed and the call is abandoned", name, len(responses), timeout_s)
-        raise ScorerTimeout(f"scorer {name!r} timed out after {timeout_s:g} s")
-    if "error" in box:
-        raise box["error"]
-    return box["scores"]
+        raise ScorerTimeout(f"scorer {name!r} timed out after {timeout_s:g} s") from None
 
 
 def score_rows(responses: pa.Array, truths: pa.Array, name: str, options: dict[str, Any],

@@ -95,6 +95,28 @@ def make_result(
     )
 
 
+def validate_request(r: GenerationRequest, max_len: int | None = None, limit: str = "",
+                     allow_greedy: bool = False) -> None:
+    """EngineError listing what is wrong with ``r``: empty prompt, max_tokens < 1, prompt + max_tokens over
+    ``max_len`` (``limit`` names that bound), sampling out of range (temperature 0 only with ``allow_greedy``),
+    a resumed partial whose logprobs/versions do not match its tokens."""
+    s, problems = r.sampling, []
+    if not len(r.prompt_ids):
+        problems.append("the prompt is empty")
+    if r.max_tokens < 1:
+        problems.append(f"max_tokens must be >= 1, got {r.max_tokens}")
+    if max_len is not None and len(r.prompt_ids) + r.max_tokens > max_len:
+        problems.append(f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.max_tokens}) exceeds {limit} "
+                        f"({max_len}); shorten the prompt or lower max_tokens")
+    temperature_ok = s.temperature >= 0 if allow_greedy else s.temperature > 0
+    if not (temperature_ok and 0 < s.top_p <= 1 and s.top_k >= 0):
+        problems.append(f"need temperature {'>=' if allow_greedy else '>'} 0, 0 < top_p <= 1, top_k >= 0; got {s}")
+    if not len(r.response_ids) == len(r.logprobs) == len(r.versions):
+        problems.append("a resumed request needs as many logprobs and versions as response_ids")
+    if problems:
+        raise EngineError(f"request {r.request_id!r}: " + "; ".join(problems))
+
+
 def check_new_requests(requests: Sequence[GenerationRequest], in_flight: set[str],
                        validate: Callable[[GenerationRequest], None]) -> None:
     """Validate every request and refuse ids already in flight (or repeated), before any is queued."""

@@ -45,6 +45,7 @@ from rlpipe.inference.contract import (
     SamplingParams,
     check_new_requests,
     make_result,
+    validate_request,
 )
 from rlpipe.backends.weights import WeightBucket, load_buckets
 
@@ -224,23 +225,7 @@ class EmbeddedEngine(RolloutEngine):
             raise EngineError("the engine's weights were discarded by sleep(); push weights (load_weights) first")
 
     def _validate(self, r: GenerationRequest) -> None:
-        s = r.sampling
-        problems = []
-        if not len(r.prompt_ids):
-            problems.append("the prompt is empty")
-        if r.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {r.max_tokens}")
-        if len(r.prompt_ids) + r.max_tokens > self.max_positions:
-            problems.append(
-                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.max_tokens}) exceeds the model's "
-                f"max_position_embeddings ({self.max_positions}); shorten the prompt or lower max_tokens"
-            )
-        if not (s.temperature > 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
-            problems.append(f"need temperature > 0, 0 < top_p <= 1, top_k >= 0; got {s}")
-        if not len(r.response_ids) == len(r.logprobs) == len(r.versions):
-            problems.append("a resumed request needs as many logprobs and versions as response_ids")
-        if problems:
-            raise EngineError(f"request {r.request_id!r}: " + "; ".join(problems))
+        validate_request(r, self.max_positions, "the model's max_position_embeddings")
 
     # -- the decode loop ------------------------------------------------------------
 

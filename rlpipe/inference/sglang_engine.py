@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlpipe.inference import json_http, sglang_launch, sglang_wire
 from rlpipe.inference.contract import (
-    EngineError, GenerationRequest, GenerationResult, RolloutEngine, check_new_requests,
+    EngineError, GenerationRequest, GenerationResult, RolloutEngine, check_new_requests, validate_request,
 )
 
 log = logging.getLogger(__name__)
@@ -435,17 +435,7 @@ class SGLangEngine(RolloutEngine):
 
 
 def _validate(r: GenerationRequest) -> None:
-    s, problems = r.sampling, []
-    if not len(r.prompt_ids):
-        problems.append("the prompt is empty")
-    if r.max_tokens < 1:
-        problems.append(f"max_tokens must be >= 1, got {r.max_tokens}")
-    if not (s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0):
-        problems.append(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {s}")
-    if not len(r.response_ids) == len(r.logprobs) == len(r.versions):
-        problems.append("a resumed request needs as many logprobs and versions as response_ids")
-    if problems:
-        raise EngineError(f"request {r.request_id!r}: " + "; ".join(problems))
+    validate_request(r, allow_greedy=True)  # no length bound here: the server holds the model's limit
 
 
 def _result(r: GenerationRequest, ids, logprobs, versions, reason) -> GenerationResult:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
-from rlpipe.engine.deadline import StageTimeout, call_with_deadline
+from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode

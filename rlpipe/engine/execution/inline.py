@@ -7,7 +7,7 @@ here: gloo ranks need processes of their own.
 
 Timeouts: a stage here is a Python call in this process, which nothing can
 preempt. Each stage runs in a daemon thread that the executor waits on for the
-node's ``timeout_s`` (:func:`~rlpipe.engine.deadline.call_with_deadline`);
+node's ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`);
 past it the run fails naming the stage, and the hung call is abandoned (it ends
 with the process).
 """
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlpipe.engine.deadline import call_with_deadline
+from rlpipe.deadline import call_with_deadline
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.stage_call import run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES

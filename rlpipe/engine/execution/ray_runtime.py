@@ -20,7 +20,7 @@ import pyarrow as pa
 import ray
 
 from rlpipe.engine import interrupt
-from rlpipe.engine.deadline import StageTimeout
+from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous

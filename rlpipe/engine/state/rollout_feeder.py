@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlpipe.engine.deadline import StageTimeout, call_with_deadline
+from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.lineage import execution_fields
 from rlpipe.engine.stage_call import apply_result, run_stage
 from rlpipe.errors import StageError
