@@ -77,9 +77,8 @@ def test_generate_returns_each_request_with_logprobs_and_versions_in_order(engin
 def test_a_push_mid_generation_aborts_loads_and_resumes_with_both_versions(engine: RolloutEngine):
     if type(engine).__name__ == "VLLMEngine":
         # vLLM decodes this tiny model faster than wall-clock pacing can catch mid-response on an idle machine;
-        # tests/inference/test_vllm.py::test_abort_then_resume_across_a_push_carries_both_versions checks the same
-        # contract on the real server, paced by the server's own generated-token counter
-        pytest.skip("vLLM: checked by test_vllm.py's server-paced abort/push/resume test")
+        # (and test_vllm.py's counter-paced variant lags too); re-pace by engine progress, then re-enable
+        pytest.skip("vLLM finishes these requests before a wall-clock-paced abort on an idle machine")
     long = 120
     paces = []  # pace the abort by this engine's speed: a fifth of one whole response (the faster of two)
     for k in range(2):
