@@ -74,24 +74,39 @@ def test_generate_returns_each_request_with_logprobs_and_versions_in_order(engin
     assert not engine.has_active()
 
 
-def test_a_push_mid_generation_aborts_loads_and_resumes_with_both_versions(engine: RolloutEngine):
+def pacer(engine: RolloutEngine, long: int):
+    """A wait that returns while requests of ``long`` tokens just submitted are mid-response.
+
+    A vLLM server decodes by itself and its non-streaming answers come only at the end: a streaming
+    probe in the same batch reports its progress (tests/inference/vllm_probe.py). An engine that
+    step() drives is paced by its own speed: a fifth of one whole response (the faster of two)."""
     if type(engine).__name__ == "VLLMEngine":
-        # vLLM decodes this tiny model faster than wall-clock pacing can catch mid-response on an idle machine;
-        # (and test_vllm.py's counter-paced variant lags too); re-pace by engine progress, then re-enable
-        pytest.skip("vLLM finishes these requests before a wall-clock-paced abort on an idle machine")
-    long = 120
-    paces = []  # pace the abort by this engine's speed: a fifth of one whole response (the faster of two)
+        from vllm_probe import StreamingProbe
+
+        def wait_for_probe(prompt_ids):
+            probe = StreamingProbe(engine.server.url, list(prompt_ids), long)
+            probe.wait_for(8)  # the abort then has the other ~110 decode steps to arrive
+        return wait_for_probe
+    paces = []
     for k in range(2):
         start = time.monotonic()
         engine.generate(requests(f"pace{k}", n=1, max_tokens=long, ignore_eos=True))
         paces.append(time.monotonic() - start)
-    fifth = min(paces) / 5
+
+    def wait_a_fifth(prompt_ids):
+        deadline = time.monotonic() + min(paces) / 5
+        while time.monotonic() < deadline:  # step() drives an in-process engine
+            assert engine.step() == []
+    return wait_a_fifth
+
+
+def test_a_push_mid_generation_aborts_loads_and_resumes_with_both_versions(engine: RolloutEngine):
+    long = 120
     reqs = requests("push", n=4, max_tokens=long, ignore_eos=True)
     before = engine.version
+    wait_until_mid_response = pacer(engine, long)
     engine.submit(reqs)
-    deadline = time.monotonic() + fifth
-    while time.monotonic() < deadline:  # step() drives an in-process engine; a server runs by itself
-        assert engine.step() == []
+    wait_until_mid_response(reqs[0].prompt_ids)
     with pytest.raises(EngineError, match="in flight"):
         engine.load_weights(export_buckets(model(1)), before + 1)
     partials = {r.request_id: r for r in engine.abort_all()}
