@@ -116,6 +116,10 @@ class SeparateAsyncMode(AsyncMode):
                 while (batch := self.sampler("sample_wait", groups, step, HEALTH_CHECK_S)) is None:
                     self._drain(step)  # raises a replica's failure instead of waiting for it forever
                     self._check_progress(step, groups)
+                    # under drop, sampling evicts stale groups only now, after this step's top-up counted
+                    # them as occupying capacity: refill them, or the trainer waits for prompts never sent
+                    if self._refills[-1].done():
+                        self._refills.append(refills.submit(self._top_up, step))
                 self._progress = None
                 # replace the consumed groups while the trainer trains (joined before the step ends)
                 self._refills.append(refills.submit(self._top_up, step))

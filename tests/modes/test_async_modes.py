@@ -94,6 +94,16 @@ def test_wait_never_drops_and_stays_within_the_threshold(tmp_path):
     assert all(m["sampler/evicted_stale_total"] == 0 for m in rec.metrics.values())
 
 
+def test_drop_at_threshold_one_refills_what_it_evicts_while_the_trainer_waits(tmp_path):
+    """Threshold 1 under drop: every group refilled while the trainer trains step s is stale at s + 1 and
+    evicted there; the trainer's wait must refill them (it once waited for prompts nobody submitted)."""
+    params = {"max_off_policy_threshold": 1, "strategy": "drop", "stall_timeout_s": 20}
+    rec = _run(_raw("separate_async", steps=4, mode_params=params, **LONG_TAIL), tmp_path)
+    assert sorted(rec.batches) == [0, 1, 2, 3]
+    assert max(_consumed_staleness(rec)) == 1
+    assert sum(m["sampler/evicted_stale_total"] for m in rec.metrics.values()) > 0
+
+
 def test_async_mode_without_a_guard_is_a_plan_error():
     with pytest.raises(PlanError, match="needs a staleness_guard stage"):
         build_plan(validate_config(_raw("separate_async", guard=False)))
