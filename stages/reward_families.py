@@ -27,16 +27,19 @@ overlapping the RM's forward pass with the judge's decoding inside one worker.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field, model_validator
 
+from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.jagged import last_token_placement
 from rlpipe.schemas.batch import (
     GROUND_TRUTH, PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, REWARD, STATUS, STATUS_FAILED, TOKEN_REWARDS, UID,
 )
-from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
+from rlpipe.stage import StageContext, StageParams, StageResult, Unreachable, cols, stage
 from rlpipe.stages.gar import JUDGE_HACKED, JUDGE_SCORE
 from rlpipe.stages.judge import JudgeConfig, groupwise_scores, pointwise_scores
 from rlpipe.stages.reward import RuleRewardParams, _rule_reads, rule_reward
@@ -47,6 +50,8 @@ REWARD_RULE = "reward_rule"
 REWARD_RM = "reward_rm"
 """The discriminative reward model's score of a row (float32)."""
 FAMILIES = ("rule", "reward_model", "judge")
+
+log = logging.getLogger(__name__)
 
 
 class WeightedRewardParams(StageParams):
@@ -62,6 +67,10 @@ class WeightedRewardParams(StageParams):
     """Weight per family (rule, reward_model, judge); a configured family missing here weighs 0."""
     pool_size: int = Field(1, ge=1)
     """Reward-pool workers (Ray actors of the `reward_model` role); rows are split evenly among them."""
+    call_timeout_s: float = Field(300.0, gt=0)
+    """Longest the separate_async rollout feeder waits for one pool call (its share of rows on one worker);
+    past it, or when the worker died, those rows are infrastructure failures (status `failed`, counted in
+    reward/pool_unanswered) and the rollout goes on. Keep it above judge.timeout_s + reward_model.timeout_s."""
 
     @model_validator(mode="after")
     def _families(self) -> "WeightedRewardParams":
@@ -70,6 +79,10 @@ class WeightedRewardParams(StageParams):
             raise ValueError(f"weights name unknown families {unknown}; families: {', '.join(FAMILIES)}")
         if not self.configured:
             raise ValueError("configure at least one reward family: `rule`, `reward_model` or `judge`")
+        inner = (self.judge.timeout_s if self.judge else 0.0) + (self.reward_model.timeout_s if self.reward_model else 0.0)
+        if self.call_timeout_s <= inner:
+            raise ValueError(f"call_timeout_s={self.call_timeout_s:g} must exceed judge.timeout_s + reward_model.timeout_s "
+                             f"= {inner:g} (else every slow-but-answering call is dropped); raise call_timeout_s")
         return self
 
     @property
@@ -110,8 +123,23 @@ def judge_columns(judge, batch: pa.Table, texts: list[str], tokenizer, rows: np.
     return groupwise_scores(judge, groups, prompts, responses, truths)
 
 
+def unanswered(batch: pa.Table, params: WeightedRewardParams, why: str) -> StageResult:
+    """The result for rows no pool worker scored (call past ``call_timeout_s``, worker dead): all failed, 0."""
+    log.warning("reward pool: %d rows unscored (%s); they are marked failed", batch.num_rows, why)
+    n = batch.num_rows
+    zeros = pa.array(np.zeros(n, np.float32))
+    columns = {REWARD: zeros, TOKEN_REWARDS: last_token_placement(np.zeros(n, np.float32), batch.column(RESPONSE_MASK)),
+               STATUS: pa.array([STATUS_FAILED] * n, pa.string())}
+    for family, column in (("rule", REWARD_RULE), ("reward_model", REWARD_RM), ("judge", JUDGE_SCORE)):
+        if getattr(params, family) is not None:
+            columns[column] = zeros
+    if params.judge is not None:
+        columns[JUDGE_HACKED] = pa.array(np.zeros(n, np.int8), pa.int8())
+    return StageResult(columns=columns, metrics={"reward/infra_failures": float(n), "reward/pool_unanswered": float(n)})
+
+
 @stage("reward", "weighted", placement="worker", role="reward_model", params=WeightedRewardParams,
-       reads=_reads, writes=_writes)
+       reads=_reads, writes=_writes, unreachable=Unreachable(timeout_s=lambda p: p.call_timeout_s, result=unanswered))
 def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: StageContext) -> StageResult:
     status = batch.column(STATUS)
     failed = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False).copy()
@@ -128,12 +156,24 @@ def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: St
                          pool.tokenizer) if (params.reward_model or params.judge) else []
     if params.reward_model is not None:
         rm = np.zeros(batch.num_rows, np.float32)
-        if live.size:
-            rm[live] = pool.reward_model.score([texts[i] for i in live])
+        try:
+            if live.size:
+                rm[live] = call_with_deadline(lambda: pool.reward_model.score([texts[i] for i in live]),
+                                              params.reward_model.timeout_s, "the reward model")
+            metrics["reward/reward_model/timeouts"] = 0.0
+        except StageTimeout:  # the forward pass is abandoned (a thread cannot be stopped); its rows fail
+            log.warning("reward model gave no scores for %d rows within reward_model.timeout_s=%g s; those rows are "
+                        "marked failed", live.size, params.reward_model.timeout_s)
+            failed[live] = True
+            metrics["reward/reward_model/timeouts"] = 1.0
+        bad = ~np.isfinite(rm) & ~failed  # a broken RM (NaN/inf) must not reach the advantage
+        failed |= bad
+        metrics["reward/reward_model/non_finite"] = float(bad.sum())
         family_scores["reward_model"] = rm
+        live = np.flatnonzero(~failed)
     if params.judge is not None:
         judged, hacked = judge_columns(pool.judge, batch, texts, pool.tokenizer, live)
-        ungraded = np.isnan(judged) & ~failed
+        ungraded = ~np.isfinite(judged) & ~failed  # no score, or a number too long for a float
         failed |= ungraded
         metrics["reward/judge/ungraded"] = float(ungraded.sum())
         family_scores["judge"] = np.where(failed, 0.0, judged).astype(np.float32)
@@ -154,3 +194,4 @@ def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: St
     if (~failed).any():
         metrics["reward/mean"] = float(total[~failed].mean())
     return StageResult(columns=columns, metrics=metrics)
+

@@ -246,3 +246,23 @@ def test_groupwise_judge_without_a_parsable_answer_fails_the_group():
     assert out.columns["status"].to_pylist() == ["failed", "failed"]
     assert out.metrics["reward/judge/ungraded"] == 2.0
     pool.close()
+
+
+def test_reward_model_timeout_fails_its_rows_instead_of_hanging():
+    import time
+
+    from rlpipe.stages.reward_families import weighted_reward
+
+    pool, params = pool_state()
+    params = params.model_copy(update={"reward_model": params.reward_model.model_copy(
+        update={"timeout_s": 0.3, "latency_s": 3.0})})
+    pool.reward_model.cfg = params.reward_model  # the RM now takes 3 s per call, its deadline is 0.3 s
+    table = traj_batch(pool.tokenizer, ["37="] * 2, ["73", "70"], [[1, 1]] * 2, ["g", "g"])
+    start = time.monotonic()
+    out = weighted_reward(pool, table, params, CTX)
+    assert time.monotonic() - start < 2.5
+    assert out.columns["status"].to_pylist() == ["failed", "failed"]
+    assert out.columns["reward"].to_pylist() == [0.0, 0.0] and out.columns["reward_rm"].to_pylist() == [0.0, 0.0]
+    assert out.metrics["reward/reward_model/timeouts"] == 1.0 and out.metrics["reward/infra_failures"] == 2.0
+    assert out.metrics["reward/judge/ungraded"] == 0.0  # failed rows are not sent to the judge
+    pool.close()
