@@ -18,8 +18,13 @@ family             column           scorer
 Each family's mean is reported as ``reward/<family>/mean``. The models live on the
 ``reward_model`` worker role — the independent reward pool, ``pool_size`` Ray actors of
 its own (:mod:`rlpipe.engine.state.reward_pool`), apart from the rollout and the trainer,
-so the async modes accept it. A row the judge could not grade (timeout, unparsable text)
-or whose rule scorer hit an infrastructure failure gets ``status = "failed"`` and reward 0.
+so the async modes accept it; in separate_async the rollout feeders call it without
+waiting. A row gets ``status = "failed"`` and reward 0 — an infrastructure failure, left
+out of DAPO and the advantages and counted in ``reward/infra_failures`` — when its rule
+scorer hit an infrastructure failure (a sandbox that died), the reward model missed its
+``timeout_s`` or gave a non-finite score, the judge could not grade it (``timeout_s``,
+unparsable text), or, in separate_async, its pool worker did not answer within
+``call_timeout_s`` or died (:func:`unanswered`, ``reward/pool_unanswered``).
 
 Left out: per-data_source family selection (every family scores every row) and
 overlapping the RM's forward pass with the judge's decoding inside one worker.

@@ -74,8 +74,9 @@ def test_the_feeder_keeps_pulling_and_generating_while_the_pool_scores(rig, tmp_
     wait_for(lambda: counts()["pulled"] == 1 and service.in_service() == 0, timeout=30)  # group 1 is at the pool
     generated = service.stats()["tokens_generated"]
     buffer.add_prompts(prompts(("abc", "88"), prefix="q"), 0)
-    # a feeder blocked on the judge could neither pull these nor hand them to the engine for 2 s
-    wait_for(lambda: counts()["pulled"] == 3 and service.in_service() == 0, timeout=1.5)
+    # a feeder blocked on the judge could neither pull these nor hand them to the engine for 2 s; this one
+    # pulls them and the engine generates them (they wait in the service for the busy pool worker)
+    wait_for(lambda: counts()["pulled"] == 3 and service.stats()["groups_ready"] == 2, timeout=1.5)
     assert buffer.counts()["finished"] == 0  # ...and the first group is still being judged
     assert service.stats()["tokens_generated"] > generated
     batch = buffer.sample_wait(3, 0, timeout=30)

@@ -46,8 +46,8 @@ class PendingCall:
     """One stage call spread over the pool's workers; ready when all answered or the deadline passed."""
 
     def __init__(self, node, table: pa.Table, shards: list[np.ndarray], futures: list[Any], remote: bool,
-                 timeout_s: float | None, step: int):
-        self.node, self.table, self.shards, self.futures = node, table, shards, futures
+                 timeout_s: float | None, step: int, client: "PoolClient"):
+        self.node, self.table, self.shards, self.futures, self.client = node, table, shards, futures, client
         self.remote, self.timeout_s, self.step = remote, timeout_s, step
         self.started = time.time()
         """Wall-clock start (lineage)."""
@@ -67,6 +67,7 @@ class PendingCall:
 
     def result(self) -> StageResult:
         """The merged result; unanswered or lost shards get the stage's unreachable result (call after ``ready``)."""
+        self.client.in_flight.discard(self)
         spec = stage_registry(self.node.kind).get(self.node.impl)
         params = spec.params_model.model_validate(self.node.params)
         results = []
@@ -112,6 +113,14 @@ class PoolClient:
         self.workers = list(workers)
         self.remote = hasattr(getattr(self.workers[0], "run_stage", None), "remote")
         self._threads = None if self.remote else ThreadPoolExecutor(len(self.workers), thread_name_prefix="rlpipe-pool")
+        self.in_flight: set[PendingCall] = set()
+        """Calls submitted and not yet taken (``result``)."""
+
+    @property
+    def saturated(self) -> bool:
+        """As many calls out as the pool has workers: a caller should let finished work pile up (one bigger
+        call later) rather than queue many small calls, each paying a round trip."""
+        return len(self.in_flight) >= len(self.workers)
 
     def submit(self, node, table: pa.Table, ctx: StageContext) -> PendingCall:
         """Start ``node`` (a worker stage) on ``table``, rows split evenly over the workers; returns at once."""
@@ -127,7 +136,9 @@ class PoolClient:
             else:
                 futures.append(self._threads.submit(run_stage, node.kind, node.impl, node.params, chunk, rank_ctx,
                                                     worker))
-        return PendingCall(node, table, shards, futures, self.remote, timeout_s, ctx.step)
+        call = PendingCall(node, table, shards, futures, self.remote, timeout_s, ctx.step, self)
+        self.in_flight.add(call)
+        return call
 
     def close(self) -> None:
         if self._threads is not None:

@@ -12,8 +12,14 @@ trip, and scoring costs neither a Ray task nor a copy of the trajectories to the
 driver (AReaL's rollout workers also score their own trajectories; Fu et al.
 2025, https://arxiv.org/abs/2505.24298).
 
-The generation-side stages must be stateless (``placement: task``); the mode
-falls back to driver-side collection otherwise. Each execution is kept as a
+The generation-side stages are stateless (``placement: task``, run in the
+feeder's thread) or run on a pool role's workers (the reward pool): those are
+called without waiting (:mod:`rlpipe.engine.state.pool_client`) — the loop hands
+the collected groups to the pool and keeps pulling prompts and collecting
+generations, and stores the groups when the pool has answered (groups at the
+pool count against the replica's ``max_groups``, so a slow pool slows pulling,
+not generation of what is already submitted). Any other worker stage makes the
+mode fall back to driver-side collection. Each execution is kept as a
 lineage record (fingerprints, rows, versions, duration, metrics) that the
 driver drains once per step and hands to the observer, so MLflow sees the same
 ``generate`` and ``reward`` executions as when the driver scores.
@@ -143,10 +149,15 @@ class RolloutFeeder:
                     if scored is None and not prompts.num_rows and not self.service.in_service() and not pending:
                         self._stop.wait(self.poll_s)  # nothing to generate: ask the buffer again shortly
                 start = time.time()
-                table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
-                                             timeout=self.poll_s)
-                if table.num_rows:
-                    pending.append(self._begin(table, start))
+                if any(pool.saturated for pool in self.pools.values()):
+                    # every pool worker is busy: finished groups wait in the service (which goes on
+                    # generating) and reach the pool together, in one call, when a worker is free
+                    self._stop.wait(self.poll_s)
+                else:
+                    table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
+                                                 timeout=self.poll_s)
+                    if table.num_rows:
+                        pending.append(self._begin(table, start))
                 # advance every table as far as it goes without waiting (a pool call still running waits
                 # for a later turn of the loop: generation goes on meanwhile)
                 still = []
