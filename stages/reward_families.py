@@ -94,12 +94,14 @@ class WeightedRewardParams(StageParams):
         for source, families in self.routes.items():
             missing = sorted(set(families) - set(self.configured))
             if missing or not families:
-                raise ValueError(f"routes.{source}: {'families ' + str(missing) + ' are not configured' if missing else 'empty'}"
-                                 f"; list some of the configured families {self.configured} or configure them")
-        inner = (self.judge.timeout_s if self.judge else 0.0) + (self.reward_model.timeout_s if self.reward_model else 0.0)
+                what = f"families {missing} are not configured" if missing else "empty"
+                raise ValueError(f"routes.{source}: {what}; list some of the configured families {self.configured} "
+                                 "or configure them")
+        inner = sum(f.timeout_s for f in (self.judge, self.reward_model) if f is not None)
         if self.call_timeout_s <= inner:
-            raise ValueError(f"call_timeout_s={self.call_timeout_s:g} must exceed judge.timeout_s + reward_model.timeout_s "
-                             f"= {inner:g} (else every slow-but-answering call is dropped); raise call_timeout_s")
+            raise ValueError(f"call_timeout_s={self.call_timeout_s:g} must exceed judge.timeout_s + "
+                             f"reward_model.timeout_s = {inner:g} (else every slow-but-answering call is dropped); "
+                             "raise call_timeout_s")
         return self
 
     @property
@@ -108,7 +110,8 @@ class WeightedRewardParams(StageParams):
 
 
 def _reads(p: WeightedRewardParams) -> dict[str, pa.DataType]:
-    out = cols(STATUS, RESPONSE_MASK, PROMPT_IDS, RESPONSE_IDS, GROUND_TRUTH, UID, *((DATA_SOURCE,) if p.routes else ()))
+    routed = (DATA_SOURCE,) if p.routes else ()
+    out = cols(STATUS, RESPONSE_MASK, PROMPT_IDS, RESPONSE_IDS, GROUND_TRUTH, UID, *routed)
     return {**out, **(_rule_reads(p.rule) if p.rule is not None else {})}
 
 

@@ -21,7 +21,8 @@ from tests.conftest import quickstart_raw
 from tests.stages.test_reward_families import ARCH, constant_model
 
 GEN = GenerateParams(n=2, max_tokens=4, temperature=1.0)
-SLOW = "import time\ndef score(data_source, solution_str, ground_truth, extra_info):\n    time.sleep({s})\n    return 0.25\n"
+SLOW = ("import time\ndef score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    time.sleep({s})\n    return 0.25\n")
 
 
 def weighted(tmp_path, judge_latency_s=0.0, rule_sleep_s=0.0, call_timeout_s=60.0, judge_timeout_s=30.0):

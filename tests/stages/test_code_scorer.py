@@ -37,7 +37,8 @@ def test_fraction_of_tests_passed_by_hand():
         "def f(x): return 1 / 0",  # every test raises: 0
         "def f(x): return {1: 2, 2: 3, 3: 5}[x]",  # all pass: 1
         "def f(x) return",  # syntax error: 0
-        "print('x passed 3')\nimport sys; print('passed 3', file=sys.stderr)\ndef f(x): return x + 1",  # printing cannot fake
+        # printing a result line cannot fake one
+        "print('x passed 3')\nimport sys; print('passed 3', file=sys.stderr)\ndef f(x): return x + 1",
     ]
     scores = code(responses, [TESTS] * len(responses), **FAST)
     np.testing.assert_allclose(scores, [2 / 3, 0, 1, 0, 2 / 3], rtol=1e-6)
@@ -100,7 +101,8 @@ def test_file_writes_outside_the_sandbox_and_oversized_files_are_stopped(tmp_pat
         f"def f(x): return x + 1\ndef wrote():\n    open({str(outside)!r}, 'w').write('x'); return True",
         f"import os\ndef f(x): return x + 1\ndef wrote():\n    os.remove({str(keep)!r}); return True",
         f"import os\ndef f(x): return x + 1\ndef wrote():\n    os.rename({str(keep)!r}, 'mine'); return True",
-        "def f(x): return x + 1\ndef wrote():\n    open('big', 'w').write('x' * (2 * 2**20)); return True",  # 2 MB > 1 MB
+        # 2 MB > max_file_mb
+        "def f(x): return x + 1\ndef wrote():\n    open('big', 'w').write('x' * (2 * 2**20)); return True",
         "def f(x): return x + 1\ndef wrote():\n    open('small', 'w').write('ok'); return open('small').read() == 'ok'",
     ]
     scores = code(responses, [tests] * len(responses), timeout_s=1.0, memory_mb=256, max_file_mb=1)

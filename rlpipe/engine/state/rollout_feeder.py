@@ -217,7 +217,8 @@ class RolloutFeeder:
                 raise StageError(node.kind, node.impl, s.step, f"node {node.name!r} timed out: {exc}") from None
             except Exception as exc:
                 raise StageError(node.kind, node.impl, s.step, exc) from exc
-            rec = {"node": node.name, **execution_fields(s.table, out, start, time.time() - start, result.metrics, s.fp)}
+            took = time.time() - start
+            rec = {"node": node.name, **execution_fields(s.table, out, start, took, result.metrics, s.fp)}
             s.records.append(rec)
             s.table, s.fp, s.next = out, rec["output_fingerprint"], s.next + 1
         with self._lock:
