@@ -2,7 +2,6 @@
 
 import json
 import socket
-import threading
 import time
 
 import numpy as np
@@ -74,23 +73,13 @@ def test_network_escape_is_stopped():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    server.settimeout(3.0)
     port = server.getsockname()[1]
-    accepted = []
-
-    def accept():
-        try:
-            accepted.append(server.accept())
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=accept)
-    thread.start()
     phone_home = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\ndef f(x): return x + 1"
     assert code([phone_home], [TESTS], **FAST).tolist() == [0.0]
-    thread.join()
+    server.setblocking(False)  # a connection that got through would wait in the backlog now
+    with pytest.raises(BlockingIOError):
+        server.accept()
     server.close()
-    assert accepted == []
 
 
 def test_file_writes_outside_the_sandbox_and_oversized_files_are_stopped(tmp_path):
