@@ -71,7 +71,13 @@ def test_the_feeder_keeps_pulling_and_generating_while_the_pool_scores(rig, tmp_
     config, node = weighted(tmp_path, judge_latency_s=2.0)
     feeder, service, buffer = rig(node, pool_worker(config))
     buffer.add_prompts(prompts(("1+2=",)), 0)
-    counts = lambda: feeder.drain()["counts"]
+    records = []
+
+    def counts():
+        report = feeder.drain()
+        records.extend(report["records"])
+        return report["counts"]
+
     wait_for(lambda: counts()["pulled"] == 1 and service.in_service() == 0, timeout=30)  # group 1 is at the pool
     generated = service.stats()["tokens_generated"]
     buffer.add_prompts(prompts(("abc", "88"), prefix="q"), 0)
@@ -82,6 +88,9 @@ def test_the_feeder_keeps_pulling_and_generating_while_the_pool_scores(rig, tmp_
     assert service.stats()["tokens_generated"] > generated
     batch = buffer.sample_wait(3, 0, timeout=30)
     assert batch is not None and batch.num_rows == 6
+    counts()
+    # the two groups that finished while the pool was busy went to it together, in one call
+    assert [r["rows_in"] for r in records if r["node"] == "reward"] == [2, 4]
     # by hand: rule 0.25 + judge "7" / 10 = 0.95 on every row, each family in its own column
     assert batch.column("reward").to_pylist() == pytest.approx([0.95] * 6)
     assert batch.column("reward_rule").to_pylist() == pytest.approx([0.25] * 6)
