@@ -99,6 +99,9 @@ class StageResult:
     carry: dict[str, Any] = field(default_factory=dict)
     """State handed to this node's next execution as ``ctx.carry`` (e.g. an adaptive KL
     coefficient); the engine keeps it between steps, so stages stay stateless."""
+    counts: frozenset[str] = frozenset()
+    """Names in ``metrics`` that count rows or events: a worker stage's per-worker values are summed,
+    not averaged (e.g. ``reward/infra_failures`` over the reward pool's workers)."""
 
 
 @dataclass

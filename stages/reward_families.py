@@ -62,6 +62,10 @@ Family = Literal["rule", "reward_model", "judge"]
 
 log = logging.getLogger(__name__)
 
+COUNTS = frozenset({"reward/infra_failures", "reward/pool_unanswered", "reward/judge/ungraded",
+                    "reward/reward_model/timeouts", "reward/reward_model/non_finite", "reward/scorer_timeouts"})
+"""Metrics of this stage that count rows or calls: summed over the pool's workers."""
+
 
 class WeightedRewardParams(StageParams):
     """Which reward families score, with what weight, on how many pool workers."""
@@ -167,7 +171,8 @@ def unanswered(batch: pa.Table, params: WeightedRewardParams, why: str) -> Stage
             columns[column] = zeros
     if params.judge is not None:
         columns[JUDGE_HACKED] = pa.array(np.zeros(n, np.int8), pa.int8())
-    return StageResult(columns=columns, metrics={"reward/infra_failures": float(n), "reward/pool_unanswered": float(n)})
+    return StageResult(columns=columns, metrics={"reward/infra_failures": float(n), "reward/pool_unanswered": float(n)},
+                       counts=COUNTS)
 
 
 @stage("reward", "weighted", placement="worker", role="reward_model", params=WeightedRewardParams,
@@ -229,5 +234,5 @@ def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: St
     metrics["reward/infra_failures"] = float(failed.sum())
     if (~failed).any():
         metrics["reward/mean"] = float(total[~failed].mean())
-    return StageResult(columns=columns, metrics=metrics)
+    return StageResult(columns=columns, metrics=metrics, counts=COUNTS)
 

@@ -83,10 +83,12 @@ def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
 
 def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_rows: bool) -> StageResult:
     """Combine the per-worker results of one worker stage into one, in the input's row order."""
-    metrics = _mean_metrics([r.metrics for r in results])
+    counts = frozenset().union(*(r.counts for r in results))
+    metrics = _mean_metrics([r.metrics for r in results], counts)
     carry = results[0].carry if results else {}  # replicas agree (data-parallel ranks run in lockstep)
     if creates_rows:
-        return StageResult(table=pa.concat_tables([r.table for r in results]), metrics=metrics, carry=carry)
+        return StageResult(table=pa.concat_tables([r.table for r in results]), metrics=metrics, carry=carry,
+                           counts=counts)
     if any(r.keep is not None for r in results):
         raise ValueError("worker stages cannot select rows; use a task stage for filtering")
     order = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
@@ -95,9 +97,13 @@ def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_
     for name in results[0].columns if results else []:
         merged = pa.concat_arrays([as_array(r.columns[name]) for r in results])
         columns[name] = merged.take(inverse)
-    return StageResult(columns=columns, metrics=metrics, carry=carry)
+    return StageResult(columns=columns, metrics=metrics, carry=carry, counts=counts)
 
 
-def _mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
-    keys = sorted({k for m in all_metrics for k in m})
-    return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in keys}
+def _mean_metrics(all_metrics: list[dict[str, float]], counts: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Per metric, the mean over the workers that report it; the sum for ``counts``."""
+    out = {}
+    for key in sorted({k for m in all_metrics for k in m}):
+        values = [m[key] for m in all_metrics if key in m]
+        out[key] = float(np.sum(values) if key in counts else np.mean(values))
+    return out

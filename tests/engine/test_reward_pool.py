@@ -51,12 +51,13 @@ def pool_worker(config):
 def rig():
     made = []
 
-    def make(node, worker, max_groups=8):
+    def make(node, worker, max_groups=8, workers=1):
         service = RolloutService(EmbeddedEngine(model(), TOK), TOK)
         buffer = SharedSampler(ReplayBuffer(ReplayBufferParams(group_size=GEN.n, groups_per_step=3)))
         feeder = RolloutFeeder(service, SamplerClient(buffer), [node], GEN.model_dump(),
                                lambda step: generation_seed(StageContext(step=step, seed=5)), max_groups=max_groups,
-                               store_groups=1, poll_s=0.01, run_seed=5, pools={"reward_model": PoolClient([worker])})
+                               store_groups=1, poll_s=0.01, run_seed=5,
+                               pools={"reward_model": PoolClient([worker] * workers)})
         made.append((feeder, service, worker))
         return feeder, service, buffer
 
@@ -98,17 +99,18 @@ def test_the_feeder_keeps_pulling_and_generating_while_the_pool_scores(rig, tmp_
     assert "failed" not in batch.column("status").to_pylist()
 
 
-def test_a_pool_call_past_its_deadline_stores_failed_rows_instead_of_hanging(rig, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_pool_call_past_its_deadline_stores_failed_rows_instead_of_hanging(rig, tmp_path, workers):
     # the custom rule function hangs for 3 s: no in-worker deadline covers it, the pool call's does
     config, node = weighted(tmp_path, rule_sleep_s=3.0, call_timeout_s=0.5, judge_timeout_s=0.2)
-    feeder, service, buffer = rig(node, pool_worker(config))
+    feeder, service, buffer = rig(node, pool_worker(config), workers=workers)  # rows split over the workers
     start = time.monotonic()
     buffer.add_prompts(prompts(("1+2=",)), 0)
     records = []
     wait_for(lambda: records.extend(r for r in feeder.drain()["records"] if r["node"] == "reward") or records,
              timeout=2.5)  # the worker itself would answer only after 3 s
     assert time.monotonic() - start < 2.5
-    assert records[0]["metrics"]["reward/pool_unanswered"] == 2.0
+    assert records[0]["metrics"]["reward/pool_unanswered"] == 2.0  # counts are summed over the workers
     assert records[0]["metrics"]["reward/infra_failures"] == 2.0
     # stored as an all-failed group: the buffer evicts it (DAPO and advantages never see it) and counts it
     wait_for(lambda: buffer.metrics(0)["sampler/evicted_failed_total"] == 1.0, timeout=5)
@@ -135,3 +137,14 @@ def test_a_dead_pool_worker_is_an_infrastructure_failure(ray_session, tmp_path):
     result = call.result()
     assert result.columns["status"].to_pylist() == ["failed", "failed"]
     assert result.metrics["reward/pool_unanswered"] == 2.0
+
+
+def test_merged_worker_results_sum_counts_and_average_the_rest():
+    from rlpipe.engine.stage_call import merge_results
+    from rlpipe.stage import StageResult
+
+    a = StageResult(metrics={"reward/mean": 0.5, "reward/infra_failures": 1.0}, counts=frozenset({"reward/infra_failures"}))
+    b = StageResult(metrics={"reward/mean": 1.0, "reward/infra_failures": 2.0}, counts=frozenset({"reward/infra_failures"}))
+    merged = merge_results([a, b], [], creates_rows=False)
+    assert merged.metrics == {"reward/mean": 0.75, "reward/infra_failures": 3.0}
+    assert merge_results([StageResult(metrics={"x": 1.0}), StageResult(metrics={"x": 3.0})], [], False).metrics == {"x": 2.0}
