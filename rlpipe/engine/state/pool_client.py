@@ -6,6 +6,9 @@ hands its finished groups to the reward pool (the ``reward_model`` role's worker
 the pool scores: :meth:`PoolClient.submit` splits the rows evenly over the pool's workers
 and returns a :class:`PendingCall` at once; the feeder polls :meth:`PendingCall.ready`
 between its own rounds and takes :meth:`PendingCall.result` when every worker answered.
+While as many calls are out as the pool has workers (:attr:`PoolClient.saturated`) the
+feeder leaves finished groups in its rollout service, so they reach the pool together in
+one call instead of queueing one small call (and one round trip) per group.
 
 Every call has a deadline: the stage's :class:`~rlpipe.stage.Unreachable` ``timeout_s``
 (the reward stage's ``call_timeout_s``). Rows of a worker that has not answered by then,
