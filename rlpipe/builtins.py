@@ -23,6 +23,7 @@ import rlpipe.stages.algos.policy_loss  # noqa: F401
 # Data and rewards.
 import rlpipe.stages.datasets  # noqa: F401
 import rlpipe.stages.scorers  # noqa: F401
+import rlpipe.stages.code_scorer  # noqa: F401
 
 # Agents and their tools.
 import rlpipe.agents.tool_agent  # noqa: F401

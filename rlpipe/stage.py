@@ -99,6 +99,9 @@ class StageResult:
     carry: dict[str, Any] = field(default_factory=dict)
     """State handed to this node's next execution as ``ctx.carry`` (e.g. an adaptive KL
     coefficient); the engine keeps it between steps, so stages stay stateless."""
+    counts: frozenset[str] = frozenset()
+    """Names in ``metrics`` that count rows or events: a worker stage's per-worker values are summed,
+    not averaged (e.g. ``reward/infra_failures`` over the reward pool's workers)."""
 
 
 @dataclass
@@ -130,6 +133,18 @@ class WorkerCalls(Protocol):
 
 
 @dataclass(frozen=True)
+class Unreachable:
+    """What a worker stage's rows become when a caller that does not wait on it (the separate_async
+    rollout feeder calling the reward pool) gets no answer: the call ran past its deadline, or the
+    worker died. Without it such a call fails the run; with it the rows are infrastructure failures."""
+
+    timeout_s: Callable[[BaseModel], float]
+    """The per-call deadline in seconds, from the stage's params."""
+    result: Callable[[pa.Table, BaseModel, str], StageResult]
+    """``result(rows, params, why)``: the stage's result for rows no worker answered (status failed)."""
+
+
+@dataclass(frozen=True)
 class StageSpec:
     """A registered stage implementation."""
 
@@ -145,6 +160,8 @@ class StageSpec:
     check: Callable[[BaseModel, Any, Any], None] | None = None
     """Validate-time check of this node against the pipeline: ``check(params, config, plan)`` raises a
     ConfigError naming the field and the fix (e.g. a group estimator needs generate n ≥ 2)."""
+    unreachable: Unreachable | None = None
+    """Worker stages: per-call deadline and failed result for callers that do not wait (None: none)."""
 
     def read_columns(self, params: BaseModel) -> dict[str, pa.DataType]:
         return dict(self.reads(params) if callable(self.reads) else self.reads)
@@ -184,6 +201,7 @@ def stage(
     role: str | None = None,
     creates_rows: bool = False,
     check: Callable[[BaseModel, Any, Any], None] | None = None,
+    unreachable: Unreachable | None = None,
 ) -> Callable[[Callable[..., StageResult]], Callable[..., StageResult]]:
     """Register a stage implementation.
 
@@ -195,7 +213,7 @@ def stage(
         raise ValueError(f"worker stage {kind}/{impl} needs a role")
 
     def decorate(fn: Callable[..., StageResult]) -> Callable[..., StageResult]:
-        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows, check)
+        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows, check, unreachable)
         stage_registry(kind).add(impl, spec)
         return fn
 

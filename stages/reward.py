@@ -30,9 +30,10 @@ With ``function: {path, name}`` a user's own Python function scores every row in
 of the scorers (:mod:`rlpipe.stages.reward_function`); its scores may be any finite float
 and the extra keys of a dict it returns are reported as ``reward/<key>/mean``.
 
-Left out: a ``weighted`` impl combining rule, discriminative-RM and
-generative-RM scores (a later issue; it will reuse :func:`score_rows` and mix
-columns), overlong penalties for truncated rows, and re-decoding only the
+Rule + discriminative RM + judge, weighted, is the ``weighted`` impl
+(:mod:`rlpipe.stages.reward_families`, on the reward pool); it runs this impl as its rule family.
+
+Left out: overlong penalties for truncated rows, and re-decoding only the
 ``response_mask == 1`` tokens: rule scorers read ``response_text`` as the generate
 stage decoded it.
 """

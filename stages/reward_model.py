@@ -24,6 +24,7 @@ and chat templates around prompt and response.
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +56,11 @@ class RewardModelConfig(BaseModel):
     """Re-encoded prompt+response tokens kept per row (the end is kept: the score is read there)."""
     seed: int = Field(0, ge=0)
     """Initialization seed of a model built from `architecture`."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Per-call deadline of one scoring call (all rows of a pool worker); past it those rows get status
+    `failed` (an infrastructure failure) and the call is abandoned."""
+    latency_s: float = Field(0.0, ge=0)
+    """Simulated latency added to each scoring call (tests, benchmarks: a remote RM's round trip); 0 = none."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardModelConfig":
@@ -141,6 +147,8 @@ class RewardModel:
     def score(self, texts: list[str]) -> np.ndarray:
         """float32 ``[B]``: the head applied at each row's last valid token."""
         out = np.zeros(len(texts), dtype=np.float32)
+        if self.cfg.latency_s:
+            time.sleep(self.cfg.latency_s)
         size = self.cfg.micro_batch_size
         for start in range(0, len(texts), size):
             ids, mask = self.encode(texts[start : start + size])

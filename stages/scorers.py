@@ -19,30 +19,15 @@ Built-ins:
 * ``math`` / ``gsm8k`` — extract the final answer (after the last ``####``, else
   the last ``\\boxed{}``, else the last number), verify with ``math_verify``, fall
   back to numeric comparison; 0 or 1.
-* ``code`` — run the response (its last fenced code block, if any) against unit
-  tests in a subprocess with time, CPU and memory limits; the score is the fraction
-  of tests passed; a timeout or crash scores 0. A sandbox that cannot start is an
-  infrastructure failure: :class:`ScorerInfraError`, which the reward stage turns
-  into ``status == "failed"`` for those rows.
-
-Left out: network isolation and syscall filtering of the code sandbox (use
-nsjail/firejail/containers in production — the rlimits here stop runaway programs,
-not adversaries; tests run in the response's own interpreter, so a hostile
-response can fake passing), stdin/stdout-style tests, and per-test timeouts.
+* ``code`` — the solution against the data's unit tests in the agents' sandbox
+  (:mod:`rlpipe.stages.code_scorer`); a sandbox that cannot start raises
+  :class:`ScorerInfraError`, which the reward stage turns into ``status == "failed"``.
 """
 
 from __future__ import annotations
 
-import ast
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -179,127 +164,3 @@ def math_answer(responses: TextColumn, ground_truths: TextColumn) -> np.ndarray:
     """1 if the response's final answer equals the ground truth's (``#### x`` in the ground truth is honored)."""
     golds = [(extract_answer(g) if "####" in g else g.strip()) for g in texts(ground_truths)]
     return np.array([answers_equal(g, extract_answer(r)) for r, g in zip(texts(responses), golds)], np.float32)
-
-
-# The sandbox: a fresh interpreter sets its own limits, says "ready", silences the
-# standard streams, runs the response, then each test; it reports on a private fd.
-# (Limits are set here rather than in preexec_fn, which Python documents as unsafe
-# in threaded processes — Ray workers and our thread pool are both threaded.)
-_HARNESS = r"""
-import json, os, resource, sys
-spec = json.loads(sys.stdin.read())
-mem = spec["memory_mb"] * 2**20
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu_s"], spec["cpu_s"] + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (2**24, 2**24))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-out = os.fdopen(os.dup(1), "w")
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-out.write("ready\n"); out.flush()
-ns, passed = {"__name__": "response"}, 0
-try:
-    exec(compile(spec["code"], "<response>", "exec"), ns)
-    tests = spec["tests"]
-except BaseException:
-    tests = []
-for test in tests:
-    try:
-        exec(compile(test, "<test>", "exec"), ns)
-        passed += 1
-    except BaseException:
-        pass
-out.write(json.dumps({"passed": passed}) + "\n"); out.flush()
-"""
-
-_FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.DOTALL)
-
-
-def response_code(text: str) -> str:
-    """The last fenced code block of a response, or the whole response."""
-    blocks = _FENCE.findall(text)
-    return blocks[-1] if blocks else text
-
-
-def parse_tests(ground_truth: str) -> list[str]:
-    """Unit tests from a ground truth: a JSON list of snippets, or Python source (one test per top-level statement)."""
-    try:
-        value = json.loads(ground_truth)
-    except json.JSONDecodeError:
-        value = None
-    if isinstance(value, list) and all(isinstance(t, str) for t in value):
-        return value
-    try:
-        tree = ast.parse(ground_truth)
-    except SyntaxError as exc:
-        raise ScorerError(f"code ground truth is neither a JSON list of tests nor Python source ({exc})") from None
-    return [ast.get_source_segment(ground_truth, node) for node in tree.body]
-
-
-class _SandboxDown(Exception):
-    pass
-
-
-def run_tests(code: str, tests: list[str], timeout_s: float, memory_mb: int) -> float:
-    """Fraction of ``tests`` passed by ``code`` in a fresh sandboxed interpreter; raises _SandboxDown."""
-    spec = json.dumps({"code": code, "tests": tests, "memory_mb": memory_mb, "cpu_s": int(timeout_s) + 1})
-    with tempfile.TemporaryDirectory(prefix="rlpipe-code-") as tmp:
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, cwd=tmp, env={"PATH": os.defpath, "HOME": tmp}, start_new_session=True,
-            )
-        except OSError as exc:
-            raise _SandboxDown(f"could not start {sys.executable}: {exc}") from exc
-        timed_out = False
-        try:
-            out, _ = proc.communicate(spec.encode(), timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-    lines = out.decode(errors="replace").splitlines()
-    if not lines or lines[0] != "ready":
-        raise _SandboxDown(f"sandbox did not start (exit code {proc.returncode}); is memory_mb={memory_mb} too low?")
-    if timed_out or len(lines) < 2:
-        return 0.0
-    return json.loads(lines[-1])["passed"] / len(tests)
-
-
-@SCORERS.register("code")
-def code(
-    responses: TextColumn,
-    ground_truths: TextColumn,
-    *,
-    timeout_s: float = 5.0,
-    memory_mb: int = 1024,
-    max_workers: int = 4,
-) -> np.ndarray:
-    """Fraction of the ground truth's unit tests passed; timeouts and crashes score 0."""
-    if memory_mb < 32 or timeout_s <= 0:
-        raise ScorerError(f"code scorer needs memory_mb >= 32 and timeout_s > 0 (got {memory_mb}, {timeout_s})")
-    test_lists = []
-    for i, truth in enumerate(texts(ground_truths)):
-        tests = parse_tests(truth)
-        if not tests:
-            raise ScorerError(f"row {i}: code ground truth holds no tests")
-        test_lists.append(tests)
-    codes = [response_code(r) for r in texts(responses)]
-    scores = np.zeros(len(codes), dtype=np.float32)
-    failed: list[int] = []
-    errors: list[str] = []
-
-    def score(i: int) -> None:
-        try:
-            scores[i] = run_tests(codes[i], test_lists[i], timeout_s, memory_mb)
-        except _SandboxDown as exc:
-            failed.append(i)
-            errors.append(str(exc))
-
-    with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-        list(pool.map(score, range(len(codes))))
-    if failed:
-        raise ScorerInfraError(f"code sandbox failed on {len(failed)} of {len(codes)} rows: {errors[0]}",
-                               failed=sorted(failed), scores=scores)
-    return scores

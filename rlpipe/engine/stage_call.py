@@ -79,3 +79,31 @@ def apply_result(node: PlannedNode, table: pa.Table, result: StageResult) -> pa.
 def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     """One contiguous array from an array or a chunked array."""
     return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_rows: bool) -> StageResult:
+    """Combine the per-worker results of one worker stage into one, in the input's row order."""
+    counts = frozenset().union(*(r.counts for r in results))
+    metrics = _mean_metrics([r.metrics for r in results], counts)
+    carry = results[0].carry if results else {}  # replicas agree (data-parallel ranks run in lockstep)
+    if creates_rows:
+        return StageResult(table=pa.concat_tables([r.table for r in results]), metrics=metrics, carry=carry,
+                           counts=counts)
+    if any(r.keep is not None for r in results):
+        raise ValueError("worker stages cannot select rows; use a task stage for filtering")
+    order = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
+    inverse = pa.array(np.argsort(order, kind="stable"))
+    columns = {}
+    for name in results[0].columns if results else []:
+        merged = pa.concat_arrays([as_array(r.columns[name]) for r in results])
+        columns[name] = merged.take(inverse)
+    return StageResult(columns=columns, metrics=metrics, carry=carry, counts=counts)
+
+
+def _mean_metrics(all_metrics: list[dict[str, float]], counts: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Per metric, the mean over the workers that report it; the sum for ``counts``."""
+    out = {}
+    for key in sorted({k for m in all_metrics for k in m}):
+        values = [m[key] for m in all_metrics if key in m]
+        out[key] = float(np.sum(values) if key in counts else np.mean(values))
+    return out

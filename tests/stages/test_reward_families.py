@@ -246,3 +246,46 @@ def test_groupwise_judge_without_a_parsable_answer_fails_the_group():
     assert out.columns["status"].to_pylist() == ["failed", "failed"]
     assert out.metrics["reward/judge/ungraded"] == 2.0
     pool.close()
+
+
+def test_reward_model_timeout_fails_its_rows_instead_of_hanging():
+    import time
+
+    from rlpipe.stages.reward_families import weighted_reward
+
+    pool, params = pool_state()
+    params = params.model_copy(update={"reward_model": params.reward_model.model_copy(
+        update={"timeout_s": 0.3, "latency_s": 3.0})})
+    pool.reward_model.cfg = params.reward_model  # the RM now takes 3 s per call, its deadline is 0.3 s
+    table = traj_batch(pool.tokenizer, ["37="] * 2, ["73", "70"], [[1, 1]] * 2, ["g", "g"])
+    start = time.monotonic()
+    out = weighted_reward(pool, table, params, CTX)
+    assert time.monotonic() - start < 2.5
+    assert out.columns["status"].to_pylist() == ["failed", "failed"]
+    assert out.columns["reward"].to_pylist() == [0.0, 0.0] and out.columns["reward_rm"].to_pylist() == [0.0, 0.0]
+    assert out.metrics["reward/reward_model/timeouts"] == 1.0 and out.metrics["reward/infra_failures"] == 2.0
+    assert out.metrics["reward/judge/ungraded"] == 0.0  # failed rows are not sent to the judge
+    pool.close()
+
+
+def test_routes_pick_the_families_per_data_source():
+    from rlpipe.stages.reward_families import WeightedRewardParams, weighted_reward
+
+    pool, params = pool_state()
+    params = WeightedRewardParams.model_validate({**params.model_dump(), "rule": {"default_scorer": "digits"},
+                                                  "routes": {"digits": ["rule", "judge"], "chat": ["reward_model"]}})
+    table = traj_batch(pool.tokenizer, ["37="] * 3, ["73", "70", "73"], [[1, 1]] * 3, ["g", "g", "h"])
+    table = table.set_column(table.schema.get_field_index("data_source"), "data_source",
+                             pa.array(["digits", "chat", "other"], pa.string()))
+    out = weighted_reward(pool, table, params, CTX)
+    c = {k: v.to_pylist() for k, v in out.columns.items()}
+    rm = pool.reward_model.score(["37=70", "37=73"])
+    # by hand (weights rule 1, RM 0.5, judge 2): digits → rule 1.0 + judge 2·0.7; chat → RM only (0.5·rm);
+    # an unlisted source → every family: rule 1.0 + 0.5·rm + 2·0.7
+    assert c["reward_rule"] == pytest.approx([1.0, 0.0, 1.0]) and c["judge_score"] == pytest.approx([0.7, 0.0, 0.7])
+    assert c["reward_rm"] == pytest.approx([0.0, rm[0], rm[1]], rel=1e-4)
+    assert c["reward"] == pytest.approx([1.0 + 1.4, 0.5 * rm[0], 1.0 + 0.5 * rm[1] + 1.4], rel=1e-4)
+    assert out.metrics["reward/rule/mean"] == pytest.approx(1.0)  # over the rows the rule scored
+    with pytest.raises(ValueError, match=r"routes.chat: families \['judge'\] are not configured"):
+        WeightedRewardParams.model_validate({"rule": {}, "routes": {"chat": ["judge"]}})
+    pool.close()

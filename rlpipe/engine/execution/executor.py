@@ -22,7 +22,7 @@ from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import DP_RANK, UID
-from rlpipe.engine.stage_call import apply_result, as_array
+from rlpipe.engine.stage_call import apply_result, merge_results
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -217,26 +217,3 @@ def _rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
     if len(rows) == table.num_rows and (len(rows) == 0 or np.all(np.diff(rows) == 1)):
         return table
     return table.take(pa.array(rows))
-
-
-def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_rows: bool) -> StageResult:
-    """Combine the per-worker results of one worker stage into one, in the input's row order."""
-    metrics = _mean_metrics([r.metrics for r in results])
-    carry = results[0].carry if results else {}  # replicas agree (data-parallel ranks run in lockstep)
-    if creates_rows:
-        return StageResult(table=pa.concat_tables([r.table for r in results]), metrics=metrics, carry=carry)
-    if any(r.keep is not None for r in results):
-        raise ValueError("worker stages cannot select rows; use a task stage for filtering")
-    order = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
-    inverse = pa.array(np.argsort(order, kind="stable"))
-    columns = {}
-    for name in results[0].columns if results else []:
-        merged = pa.concat_arrays([as_array(r.columns[name]) for r in results])
-        columns[name] = merged.take(inverse)
-    return StageResult(columns=columns, metrics=metrics, carry=carry)
-
-
-
-def _mean_metrics(all_metrics: list[dict[str, float]]) -> dict[str, float]:
-    keys = sorted({k for m in all_metrics for k in m})
-    return {k: float(np.mean([m[k] for m in all_metrics if k in m])) for k in keys}

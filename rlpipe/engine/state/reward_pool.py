@@ -5,12 +5,17 @@ model and/or a generative judge behind its own rollout engine — plus the polic
 (responses are decoded with it). The role is replicated (``pool_size`` workers, rows split
 evenly) and hosted, like every role, on Ray actors of its own: reward models never share
 a process with the rollout replicas or the trainer, so a slow judge occupies only the
-pool. Every judge call has its own deadline (``judge.timeout_s``); rows past it come back
-as infrastructure failures (``status = "failed"``), never as a hang.
+pool. Deadlines, each turning its rows into infrastructure failures (``status = "failed"``,
+left out of DAPO and the advantages, counted) instead of a hang: every judge call
+(``judge.timeout_s``), every reward-model call (``reward_model.timeout_s``), and, in
+separate_async, every call of a rollout feeder to a pool worker (the stage's
+``call_timeout_s``; also a worker that died).
 
-Left out: autoscaling the pool, and a task-placed client of the pool that the
-separate_async feeder could run inside the rollout replica (with a worker-placed reward
-stage, separate_async collects on the driver while the replicas keep generating).
+In separate_async each rollout replica's feeder calls the pool without waiting
+(:mod:`rlpipe.engine.state.pool_client`): it hands finished groups to the pool and goes on
+pulling prompts and collecting generations; the groups are stored once the pool answers.
+
+Left out: autoscaling the pool, and batching several replicas' groups into one pool call.
 """
 
 from __future__ import annotations

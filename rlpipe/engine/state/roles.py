@@ -178,9 +178,11 @@ class RolloutState:
     # -- separate_async: the replica pulls its prompts and stores its scored groups itself --------
 
     def feed_start(self, sampler, head, gen_params: dict, max_groups: int, store_groups: int, poll_s: float,
-                   run_seed: int) -> None:
+                   run_seed: int, pools: dict[str, list] | None = None) -> None:
         """Start this replica's :class:`~rlpipe.engine.state.rollout_feeder.RolloutFeeder` on ``sampler``
-        (the sampler role's actor handle, or the object inline); restarts a running one."""
+        (the sampler role's actor handle, or the object inline); restarts a running one. ``pools``: pool
+        role → its workers (actor handles, or the states inline) for head stages that run on a pool."""
+        from rlpipe.engine.state.pool_client import PoolClient
         from rlpipe.engine.state.rollout_feeder import RolloutFeeder, SamplerClient
         from rlpipe.stage import StageContext
         from rlpipe.stages.generate import generation_seed
@@ -190,7 +192,8 @@ class RolloutState:
         self._feeder = RolloutFeeder(
             self.service(), SamplerClient(sampler), head, gen_params,
             lambda step: generation_seed(StageContext(step=step, seed=run_seed, dp_rank=rank)),
-            max_groups, store_groups, poll_s, run_seed, name=f"rollout-feeder-{rank}")
+            max_groups, store_groups, poll_s, run_seed, name=f"rollout-feeder-{rank}",
+            pools={role: PoolClient(workers) for role, workers in (pools or {}).items()})
 
     def feed_drain(self) -> dict:
         """The feeder's lineage records since the last drain, its counters and the service's stats."""

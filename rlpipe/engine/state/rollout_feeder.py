@@ -12,8 +12,14 @@ trip, and scoring costs neither a Ray task nor a copy of the trajectories to the
 driver (AReaL's rollout workers also score their own trajectories; Fu et al.
 2025, https://arxiv.org/abs/2505.24298).
 
-The generation-side stages must be stateless (``placement: task``); the mode
-falls back to driver-side collection otherwise. Each execution is kept as a
+The generation-side stages are stateless (``placement: task``, run in the
+feeder's thread) or run on a pool role's workers (the reward pool): those are
+called without waiting (:mod:`rlpipe.engine.state.pool_client`) — the loop hands
+the collected groups to the pool and keeps pulling prompts and collecting
+generations, and stores the groups when the pool has answered (groups at the
+pool count against the replica's ``max_groups``, so a slow pool slows pulling,
+not generation of what is already submitted). Any other worker stage makes the
+mode fall back to driver-side collection. Each execution is kept as a
 lineage record (fingerprints, rows, versions, duration, metrics) that the
 driver drains once per step and hands to the observer, so MLflow sees the same
 ``generate`` and ``reward`` executions as when the driver scores.
@@ -35,12 +41,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.lineage import execution_fields
 from rlpipe.engine.stage_call import apply_result, run_stage
+from rlpipe.engine.state.pool_client import PendingCall, PoolClient
 from rlpipe.errors import StageError
-from rlpipe.schemas.batch import PROMPT_STEP
+from rlpipe.schemas.batch import PROMPT_STEP, UID
 from rlpipe.stage import StageContext
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,9 @@ class HeadStage:
     """The node's declared writes; its results are checked against them, as the executor does."""
     timeout_s: float | None = None
     """The node's ``timeout_s``: longer and the feeder stops with a StageError naming the node."""
+    role: str | None = None
+    """None: a task stage, run in the feeder's thread; a pool role (``reward_model``): the stage runs on
+    that role's workers, called without waiting (:mod:`rlpipe.engine.state.pool_client`)."""
 
 
 class SamplerClient:
@@ -83,7 +94,12 @@ class RolloutFeeder:
 
     def __init__(self, service, sampler: SamplerClient, head: list[HeadStage], gen_params: dict[str, Any],
                  seed_of_step, max_groups: int, store_groups: int, poll_s: float, run_seed: int,
-                 name: str = "rollout-feeder"):
+                 name: str = "rollout-feeder", pools: dict[str, PoolClient] | None = None):
+        self.pools = dict(pools or {})
+        """Pool role → client, for the head stages that run on a pool's workers."""
+        missing = sorted({n.role for n in head if n.role is not None} - set(self.pools))
+        if missing:
+            raise ValueError(f"head stages run on the pool role(s) {missing}, but the feeder got no client for them")
         self.service = service
         self.sampler = sampler
         self.head = head
@@ -111,27 +127,47 @@ class RolloutFeeder:
 
     def _loop(self) -> None:
         try:
-            scored, last_pull = None, 0.0
+            parts: list[pa.Table] = []  # scored tables not yet stored
+            pending: list[_Scoring] = []  # collected tables still in the generation-side stages (the pool)
+            last_pull = 0.0
             while not self._stop.is_set():
                 self._beat = time.monotonic()
+                # groups waiting for the pool count against this replica's share, as groups in generation do
                 in_service = self.service.in_service()
-                room = max(0, self.max_groups - in_service)
+                room = max(0, self.max_groups - in_service - sum(p.groups for p in pending))
                 # ask for prompts with each store, at once when about to run dry, else every few polls
                 # (new prompts join a long tail's small decode batch); a round trip per poll would
                 # take more CPU from the trainer (on shared cores) than late prompts cost
                 due = in_service < self.store_groups or time.monotonic() - last_pull >= PULL_EVERY_POLLS * self.poll_s
+                scored = (parts[0] if len(parts) == 1 else pa.concat_tables(parts)) if parts else None
                 if scored is not None or (room and due):
-                    last_pull = time.monotonic()
+                    last_pull, parts = time.monotonic(), []
                     stored, prompts = self.sampler("exchange", scored, room)
                     self._submit(prompts)
                     with self._lock:
                         self._counts["stored_groups"] += stored
-                    if scored is None and not prompts.num_rows and not self.service.in_service():
+                    if scored is None and not prompts.num_rows and not self.service.in_service() and not pending:
                         self._stop.wait(self.poll_s)  # nothing to generate: ask the buffer again shortly
                 start = time.time()
-                table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
-                                             timeout=self.poll_s)
-                scored = self._score(table, start) if table.num_rows else None
+                if any(pool.saturated for pool in self.pools.values()):
+                    # every pool worker is busy: finished groups wait in the service (which goes on
+                    # generating) and reach the pool together, in one call, when a worker is free
+                    self._stop.wait(self.poll_s)
+                else:
+                    table = self.service.collect(min_groups=min(self.store_groups, max(1, self.service.in_service())),
+                                                 timeout=self.poll_s)
+                    if table.num_rows:
+                        pending.append(self._begin(table, start))
+                # advance every table as far as it goes without waiting (a pool call still running waits
+                # for a later turn of the loop: generation goes on meanwhile)
+                still = []
+                for scoring in pending:
+                    done = self._advance(scoring)
+                    if done is None:
+                        still.append(scoring)
+                    else:
+                        parts.append(done)
+                pending = still
         except BaseException as exc:
             log.exception("rollout feeder stopped")
             self._error = exc
@@ -147,33 +183,48 @@ class RolloutFeeder:
         with self._lock:
             self._counts["pulled"] += prompts.num_rows
 
-    def _score(self, table: pa.Table, collect_start: float) -> pa.Table:
-        """The collected groups after the generation-side stages (records kept for the driver)."""
+    def _begin(self, table: pa.Table, collect_start: float) -> "_Scoring":
+        """A collected table entering the generation-side stages (its generate record kept for the driver)."""
         step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
-        records = [{"node": "generate", **execution_fields(None, table, collect_start, time.time() - collect_start,
-                                                             {"generate/collected_rows": float(table.num_rows)})}]
-        fp = records[0]["output_fingerprint"]
-        for node in self.head:
-            start = time.time()
-            ctx = StageContext(step=step, seed=self.run_seed, policy_version=int(self.service.engine.version),
+        record = {"node": "generate", **execution_fields(None, table, collect_start, time.time() - collect_start,
+                                                           {"generate/collected_rows": float(table.num_rows)})}
+        groups = len(pc.unique(table.column(UID)))
+        return _Scoring(table, step, record["output_fingerprint"], [record], groups)
+
+    def _advance(self, s: "_Scoring") -> pa.Table | None:
+        """Run ``s`` through the next stages until a pool call is still out (None) or all are done (the table)."""
+        while s.next < len(self.head):
+            node = self.head[s.next]
+            ctx = StageContext(step=s.step, seed=self.run_seed, policy_version=int(self.service.engine.version),
                                extras=dict(self.extras))
             try:
-                result = call_with_deadline(lambda: run_stage(node.kind, node.impl, node.params, table, ctx),
-                                            node.timeout_s, f"{self._thread.name} (the rollout replica's feeder)")
-                out = apply_result(node, table, result)
+                if node.role is None:
+                    start = time.time()
+                    result = call_with_deadline(lambda: run_stage(node.kind, node.impl, node.params, s.table, ctx),
+                                                node.timeout_s, f"{self._thread.name} (the rollout replica's feeder)")
+                else:
+                    if s.call is None:  # hand the rows to the pool and come back on a later turn
+                        s.call = self.pools[node.role].submit(node, s.table, ctx)
+                        return None
+                    if not s.call.ready():
+                        return None
+                    start, result = s.call.started, s.call.result()
+                    s.call = None
+                out = apply_result(node, s.table, result)
             except StageError:
                 raise
             except StageTimeout as exc:
-                raise StageError(node.kind, node.impl, step, f"node {node.name!r} timed out: {exc}") from None
+                raise StageError(node.kind, node.impl, s.step, f"node {node.name!r} timed out: {exc}") from None
             except Exception as exc:
-                raise StageError(node.kind, node.impl, step, exc) from exc
-            rec = {"node": node.name, **execution_fields(table, out, start, time.time() - start, result.metrics, fp)}
-            records.append(rec)
-            table, fp = out, rec["output_fingerprint"]
+                raise StageError(node.kind, node.impl, s.step, exc) from exc
+            took = time.time() - start
+            rec = {"node": node.name, **execution_fields(s.table, out, start, took, result.metrics, s.fp)}
+            s.records.append(rec)
+            s.table, s.fp, s.next = out, rec["output_fingerprint"], s.next + 1
         with self._lock:
-            self._records.extend(records)
-            self._counts["score_s"] += sum(r["duration_s"] for r in records[1:])
-        return table
+            self._records.extend(s.records)
+            self._counts["score_s"] += sum(r["duration_s"] for r in s.records[1:])
+        return s.table
 
     # -- the driver's side ---------------------------------------------------------
 
@@ -190,4 +241,24 @@ class RolloutFeeder:
         """Stop pulling and storing (idempotent); what is in the service stays there."""
         self._stop.set()
         self._thread.join(timeout)
+        for pool in self.pools.values():
+            pool.close()
+
+
+@dataclass
+class _Scoring:
+    """Collected groups on their way through the generation-side stages."""
+
+    table: pa.Table
+    step: int
+    """The prompt step of the rows' generate stage (the stages' ``ctx.step``)."""
+    fp: str
+    """Fingerprint of ``table`` (the next record's input)."""
+    records: list[dict[str, Any]]
+    groups: int
+    """Prompt groups in ``table`` (they count against the replica's ``max_groups``)."""
+    next: int = 0
+    """Index of the next head stage to run."""
+    call: PendingCall | None = None
+    """The pool call of head stage ``next`` while it runs."""
 
