@@ -23,6 +23,7 @@ from rlpipe.agents.loop import build_agent
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_push
 from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
 from rlpipe.engine.state.train_state import TrainState
 from rlpipe.errors import RlpipeError
@@ -77,12 +78,15 @@ class RolloutState:
         # the agent (generate.params.agent) wraps the engine: generate, the rollout service and pushes drive it alike
         self.engine = engine if params is None else build_agent(engine, self.tokenizer, params)
         self._released_aborted = 0
+        self._delta_receiver = DeltaReceiver()
+        """The buckets this replica last loaded from a delta push (weight_sync impl delta)."""
 
     def load_weights(self, buckets, version: int) -> int:
         self.engine.load_weights(buckets, version)
         return version
 
-    def push_weights(self, push: WeightPush | Sequence[WeightBucket], version: int) -> dict[str, float]:
+    def push_weights(self, push: WeightPush | DeltaPush | Sequence[WeightBucket], version: int,
+                     full_every: int = 1) -> dict[str, float]:
         """Weight-push boundaries 0 and 2-4 on this replica: quiesce (abort in-flight requests),
         transport (arrival of the buckets), engine load, cache invalidation, resume.
 
@@ -91,12 +95,25 @@ class RolloutState:
         idle (sync) and simply loads. Returns ``aborted`` (requests aborted) and seconds per
         boundary (``quiesce_s``, ``transport_s``, ``load_s``, ``cache_reset_s``, ``resume_s``) with
         the export's ``export_s``, ``bytes`` and ``buckets``.
-        A failure names its boundary."""
-        arrived = time.time()
+        A failure names its boundary.
+
+        A :class:`~rlpipe.backends.weight_delta.DeltaPush` (weight_sync impl ``delta``, flushed whole every
+        ``full_every`` versions) is rebuilt against this replica's last buckets and checksum-verified
+        before anything is quiesced or written; ``bytes`` is then what was sent."""
+        sent, delta_parts = None, 0.0
+        if isinstance(push, DeltaPush):
+            with _boundary(f"2 (transport: delta checksum, rollout replica {self.rank})"):
+                if push.version != version:
+                    raise ValueError(f"a delta push made for version {push.version} arrived as version {version}")
+                rebuilt = self._delta_receiver.rebuild(push, full_every)
+            sent, delta_parts = float(push.nbytes), float(push.delta_parts)
+            push = as_weight_push(push, rebuilt)
         buckets = push.buckets if isinstance(push, WeightPush) else tuple(push)
-        stats = {"transport_s": arrived - push.exported_at if isinstance(push, WeightPush) else 0.0,
+        # transport: from the export until the buckets are here (and, for a delta, rebuilt and verified)
+        stats = {"transport_s": time.time() - push.exported_at if isinstance(push, WeightPush) else 0.0,
                  "export_s": push.export_s if isinstance(push, WeightPush) else 0.0,
-                 "bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
+                 "bytes": sent if sent is not None else float(sum(b.nbytes for b in buckets)),
+                 "buckets": float(len(buckets)), "delta_buckets": delta_parts}
         self.engine.wake()
         service = getattr(self, "_service", None)
         t0 = time.perf_counter()
@@ -112,6 +129,8 @@ class RolloutState:
             if service is not None:
                 service.resume()
         t3 = time.perf_counter()
+        if sent is not None:  # loaded: the base of the next delta
+            self._delta_receiver.commit(tuple(buckets))
         cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
         return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
                 "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}

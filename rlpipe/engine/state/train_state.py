@@ -231,6 +231,19 @@ class TrainState:
             return None
         return WeightPush(tuple(buckets), export_s=time.perf_counter() - start, exported_at=time.time())
 
+    def export_delta_push(self, full_every: int):
+        """A delta push (rlpipe.backends.weight_delta) of the next version against this rank's last one; every
+        ``full_every``-th push is whole. Call on every rank (gathers); None off rank 0."""
+        from rlpipe.backends.weight_delta import DeltaSender
+
+        start = time.perf_counter()
+        buckets = self.export_weights()
+        if buckets is None:
+            return None
+        if getattr(self, "_delta_sender", None) is None:
+            self._delta_sender = DeltaSender()
+        return self._delta_sender.make(buckets, self.version + 1, full_every, time.perf_counter() - start)
+
     def bump_version(self) -> int:
         self.version += 1
         return self.version
