@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import time
 
+from typing import Literal
+
 from pydantic import Field
 
 from rlpipe.backends.weight_delta import is_full_push
@@ -54,6 +56,19 @@ class DeltaSyncParams(StageParams):
     1 + full_every, ... A replica that was restarted or missed a push is whole again there. 1: every push whole."""
 
 
+class BroadcastSyncParams(StageParams):
+    """torch.distributed broadcast from trainer rank 0 to every rollout replica (rlpipe.backends.weight_broadcast)."""
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend of the weight group: `auto` = nccl when the trainer runs on cuda, else gloo. NCCL needs
+    the trainer's rank 0 and every replica on distinct GPUs."""
+    host: str | None = None
+    """Address the replicas reach trainer rank 0 at (its store); None = the trainer's DP rendezvous address, else
+    its hostname's. Set it on clusters whose hostnames resolve to a loopback address."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Bound on every wait of the transport: forming the group (first push), each bucket's broadcast."""
+
+
 def _boundary(name: str, fn):
     try:
         return fn()
@@ -64,6 +79,17 @@ def _boundary(name: str, fn):
 
 
 _REPLICA_BOUNDARIES = ("transport_s", "load_s", "cache_reset_s", "resume_s")
+
+
+def _push_metrics(stats: list[dict], elapsed: float) -> dict[str, float]:
+    """The per-push metrics from every replica's ``push_weights`` stats and the push's wall time."""
+    metrics = {f"weight_sync/{key}": float(stats[0][key]) for key in ("export_s", "bytes", "buckets")}  # one export
+    for key in _REPLICA_BOUNDARIES:  # the slowest replica
+        metrics[f"weight_sync/{key}"] = max(float(s[key]) for s in stats)
+    metrics["weight_sync/aborted_requests"] = float(sum(s["aborted"] for s in stats))
+    metrics["weight_sync/push_s"] = elapsed
+    metrics["weight_sync/mb_per_s"] = stats[0]["bytes"] / 1e6 / max(elapsed, 1e-9)
+    return metrics
 
 
 def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
@@ -81,14 +107,7 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
         workers.defer(pushed, f"weight sync failed at boundary {replicas} (push of version {version})")
         return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0})
     stats = _boundary(replicas, lambda: workers.resolve(pushed))
-    elapsed = time.perf_counter() - t0
-    for key in ("export_s", "bytes", "buckets"):  # one export, seen by every replica
-        metrics[f"weight_sync/{key}"] = float(stats[0][key])
-    for key in _REPLICA_BOUNDARIES:
-        metrics[f"weight_sync/{key}"] = max(float(s[key]) for s in stats)
-    metrics["weight_sync/aborted_requests"] = float(sum(s["aborted"] for s in stats))
-    metrics["weight_sync/push_s"] = elapsed
-    metrics["weight_sync/mb_per_s"] = stats[0]["bytes"] / 1e6 / max(elapsed, 1e-9)
+    metrics.update(_push_metrics(stats, time.perf_counter() - t0))
     if "full_every" in replica_kwargs:
         metrics["weight_sync/delta_buckets"] = float(stats[0]["delta_buckets"])
         metrics["weight_sync/full_push"] = float(is_full_push(version, replica_kwargs["full_every"]))
@@ -106,3 +125,31 @@ def push_weight_deltas(batch, params: DeltaSyncParams, ctx) -> StageResult:
     flush); replicas verify the rebuilt bucket's checksum before loading. ``weight_sync/bytes`` is what was sent,
     ``weight_sync/delta_buckets`` how many buckets went as deltas, ``weight_sync/full_push`` 1 at a flush."""
     return _push(ctx, "export_delta_push", params.full_every, full_every=params.full_every)
+
+
+@stage("weight_sync", "broadcast", placement="driver", params=BroadcastSyncParams, reads={}, writes={})
+def broadcast_weights(batch, params: BroadcastSyncParams, ctx) -> StageResult:
+    """Rank 0 packs the buckets and the replicas get their metadata through Ray; the bytes travel by one collective
+    broadcast per bucket over the weight group (formed at the first push). Needs the Ray executor (trainer and
+    replicas in separate processes). Metrics as object_store, plus ``weight_sync/send_s`` (rank 0's broadcasts) and
+    ``weight_sync/join_s`` (forming the group: the first push only)."""
+    workers = ctx.workers
+    t0 = time.perf_counter()
+    replicas = len(workers.call("rollout", "get_version"))
+    plan = _boundary("1 (export)", lambda: workers.call(
+        "actor", "broadcast_export", replicas, params.backend, params.host, params.timeout_s)[0])
+    version = _boundary("1 (version bump)", lambda: workers.call("actor", "bump_version"))[0]
+    stage = "2-5 (transport: broadcast, engine load, cache reset, resume)"
+    # the receivers first: in one process (inline) they refuse at once instead of leaving the sender waiting
+    received = _boundary(stage, lambda: workers.call_async("rollout", "receive_broadcast", plan, version))
+    sent = _boundary("2 (transport: broadcast from trainer rank 0)",
+                     lambda: workers.call_async("actor", "broadcast_send", rank=0))
+    metrics = {"weight_sync/version": float(version)}
+    if ctx.extras.get("defer_weight_push"):
+        workers.defer(sent + received, f"weight sync failed at boundary {stage} (push of version {version})")
+        return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0})
+    stats = _boundary(stage, lambda: workers.resolve(received))
+    send = _boundary("2 (transport: broadcast from trainer rank 0)", lambda: workers.resolve(sent))[0]
+    metrics.update(_push_metrics(stats, time.perf_counter() - t0))
+    metrics.update({"weight_sync/send_s": send["send_s"], "weight_sync/join_s": send["join_s"]})
+    return StageResult(metrics=metrics)

@@ -23,6 +23,7 @@ from rlpipe.agents.loop import build_agent
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weight_broadcast import BroadcastPlan, BroadcastReceiver
 from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_push
 from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
 from rlpipe.engine.state.train_state import TrainState
@@ -80,6 +81,8 @@ class RolloutState:
         self._released_aborted = 0
         self._delta_receiver = DeltaReceiver()
         """The buckets this replica last loaded from a delta push (weight_sync impl delta)."""
+        self._broadcast_receiver = BroadcastReceiver(rank, config.resources.device)
+        """This replica's membership of the weight group (weight_sync impl broadcast)."""
 
     def load_weights(self, buckets, version: int) -> int:
         self.engine.load_weights(buckets, version)
@@ -134,6 +137,15 @@ class RolloutState:
         cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
         return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
                 "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}
+
+    def receive_broadcast(self, plan: BroadcastPlan, version: int) -> dict[str, float]:
+        """Weight push over the weight group (weight_sync impl broadcast): receive every bucket trainer rank 0
+        broadcasts (checksums verified), then quiesce, load and resume as :meth:`push_weights`."""
+        with _boundary(f"2 (transport: broadcast, rollout replica {self.rank})"):
+            if plan.version != version:
+                raise ValueError(f"a broadcast planned for version {plan.version} arrived as version {version}")
+            push = self._broadcast_receiver.receive(plan)
+        return self.push_weights(push, version)
 
     def release_for_training(self) -> int:
         """Shared devices (colocate_async): abort in-flight requests (kept, resumed at the next

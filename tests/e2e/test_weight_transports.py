@@ -1,4 +1,5 @@
-"""weight_sync/delta end to end: a run pushing deltas trains exactly as one pushing whole buckets.
+"""Weight transports end to end: runs pushing deltas (inline) or broadcasting over a gloo weight group
+(Ray) train exactly as one pushing whole buckets through the object store.
 
 In sync mode the rollout replica generates step k's data with the weights pushed at step k-1, so a
 delta that rebuilt a single word wrongly changes the samples and, from there, every later update:
@@ -19,20 +20,20 @@ from conftest import Recorder, quickstart_raw
 pytestmark = pytest.mark.e2e
 
 
-def run(tmp_path, impl: str, params: dict):
+def run(tmp_path, impl: str, params: dict, inline: bool = True, replicas: int = 1, dtype: str = "bfloat16"):
     from rlpipe.engine.planning.config_io import validate_config
     from rlpipe.engine.runtime import run_pipeline
 
     raw = quickstart_raw(
-        name=f"delta-{impl}", data={"prompts_per_step": 4},
-        model={**quickstart_raw()["model"], "dtype": "bfloat16"},
-        trainer={"total_steps": 4, "output_dir": str(tmp_path / impl), "optimizer": {"lr": 1.0e-5}},
+        name=f"transport-{impl}", data={"prompts_per_step": 4},
+        model={**quickstart_raw()["model"], "dtype": dtype}, resources={"rollout_replicas": replicas},
+        trainer={"total_steps": 4, "output_dir": str(tmp_path / f"{impl}-{inline}"), "optimizer": {"lr": 1.0e-5}},
         tracking={"enabled": False},
     )
     raw["stages"] = [s for s in raw["stages"] if s["kind"] != "weight_sync"]
     raw["stages"].append({"kind": "weight_sync", "impl": impl, "params": params})
     recorder = Recorder()
-    result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), inline=True, observer=recorder)
+    result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), inline=inline, observer=recorder)
     return load_file(f"{result.model_dir}/model.safetensors"), recorder.metrics
 
 
@@ -49,3 +50,18 @@ def test_a_delta_run_ends_with_the_same_weights_as_a_full_push_run(tmp_path):
         [m["weight_sync/bytes"] for m in pushes]
     for m in pushes:
         assert m["weight_sync/bytes"] > 0 and m["weight_sync/mb_per_s"] > 0
+
+
+def test_a_broadcast_run_on_ray_ends_with_the_same_weights_as_an_object_store_run(ray_session, tmp_path):
+    """Two rollout replicas (a weight group of 3 processes: trainer rank 0 + 2 replicas, gloo)."""
+    full, _ = run(tmp_path, "object_store", {}, replicas=2, dtype="float32")
+    broadcast, metrics = run(tmp_path, "broadcast", {"timeout_s": 60}, inline=False, replicas=2, dtype="float32")
+    for name in full:
+        assert torch.equal(full[name], broadcast[name]), name
+    pushes = [metrics[step] for step in sorted(metrics)]
+    assert [m["weight_sync/version"] for m in pushes] == [1.0, 2.0, 3.0, 4.0]
+    assert pushes[0]["weight_sync/join_s"] > 0 and all(m["weight_sync/join_s"] == 0 for m in pushes[1:])
+    n_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    for m in pushes:
+        assert n_bytes <= m["weight_sync/bytes"] < n_bytes + 64 * 64
+        assert m["weight_sync/send_s"] > 0 and m["weight_sync/mb_per_s"] > 0 and m["weight_sync/buckets"] == 1
