@@ -149,8 +149,8 @@ class TrainerConfig(Strict):
     backend: str = "replicated"
     """How the DP ranks hold the model (a registered trainer backend): `replicated` (a full copy per
     rank, gradients all-reduced), `fsdp2` (torch FSDP2: parameters, gradients and AdamW state sharded
-    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core
-    tensor/pipeline parallelism; needs CUDA, refused on CPU)."""
+    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core's
+    GPTModel, schedules and distributed optimizer; TP = PP = 1; needs CUDA, refused on CPU)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each global batch."""
     ppo_mini_batch_size: int | None = Field(None, ge=1)

@@ -85,7 +85,8 @@ class WeightGroup:
                     raise WeightTransportError(
                         f"backend nccl needs a CUDA torch and a cuda device (this member has {self.device}); use "
                         "backend gloo on CPU")
-                torch.cuda.set_device(self.device)
+                torch.cuda.set_device(self.device.index if self.device.index is not None else
+                                      torch.cuda.current_device())
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
                 self.pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)

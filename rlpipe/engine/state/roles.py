@@ -27,6 +27,7 @@ from rlpipe.backends.weight_broadcast import BroadcastPlan, BroadcastReceiver
 from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_push
 from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
 from rlpipe.engine.state.train_state import TrainState
+from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas.config import PipelineConfig
@@ -273,7 +274,9 @@ class ReferenceState:
 
 WORKER_ROLES.add(
     "actor",
-    RoleSpec(lambda c, r, w, a: TrainState(c, r, w, a), sharded=True, size=lambda c: c.trainer.dp_size),
+    # the trainer backend builds the rank's state (TrainState; MegatronTrainState for megatron)
+    RoleSpec(lambda c, r, w, a: TRAINER_BACKENDS.get(c.trainer.backend).build_state(c, r, w, a), sharded=True,
+             size=lambda c: c.trainer.dp_size),
 )
 WORKER_ROLES.add(
     "rollout",
