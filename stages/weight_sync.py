@@ -27,7 +27,7 @@ submission order).
 Transports (the impl of the weight_sync node): ``object_store`` (whole buckets), ``delta``
 (only the changed words of a bucket, checksummed, flushed whole every ``full_every``
 versions: rlpipe.backends.weight_delta) and ``broadcast`` (torch.distributed broadcast from
-trainer rank 0 to the replicas, NCCL on GPUs; stages/weight_broadcast.py).
+trainer rank 0 to the replicas, NCCL on GPUs: rlpipe.backends.weight_broadcast).
 Left out: CUDA-IPC handles (zero-copy on one GPU).
 """
 
