@@ -9,7 +9,6 @@ over NCCL (NCCL refuses two ranks on one device, so one GPU cannot test it).
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 
 import numpy as np
 import pytest
