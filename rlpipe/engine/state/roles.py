@@ -62,6 +62,8 @@ class RoleSpec:
     max_concurrency: int = 1
     """Calls one worker serves at once (threads of its Ray actor); > 1 only for thread-safe states
     whose methods may block (the async modes' sampler: ``sample_wait`` waits while replicas store)."""
+    holds_model: bool = False
+    """Holds a model on ``resources.device``: on Ray each worker then asks for one GPU when that is cuda."""
 
 
 class RolloutState:
@@ -276,13 +278,13 @@ WORKER_ROLES.add(
     "actor",
     # the trainer backend builds the rank's state (TrainState; MegatronTrainState for megatron)
     RoleSpec(lambda c, r, w, a: TRAINER_BACKENDS.get(c.trainer.backend).build_state(c, r, w, a), sharded=True,
-             size=lambda c: c.trainer.dp_size),
+             size=lambda c: c.trainer.dp_size, holds_model=True),
 )
 WORKER_ROLES.add(
     "rollout",
-    RoleSpec(RolloutState, sharded=False, size=lambda c: c.resources.rollout_replicas),
+    RoleSpec(RolloutState, sharded=False, size=lambda c: c.resources.rollout_replicas, holds_model=True),
 )
-WORKER_ROLES.add("ref", RoleSpec(ReferenceState, sharded=False, size=lambda c: 1))
+WORKER_ROLES.add("ref", RoleSpec(ReferenceState, sharded=False, size=lambda c: 1, holds_model=True))
 
 
 def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_address: str | None) -> TrainState:
@@ -293,4 +295,5 @@ def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_addre
                       model_factory=lambda tok: CriticModel(build_model(config.model, tok, config.seed)))
 
 
-WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size))
+WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size,
+                                    holds_model=True))
