@@ -1,9 +1,10 @@
-"""resources.device: cuda on Ray: every worker of a role that holds a model asks Ray for one GPU.
+"""resources.gpus_per_worker on Ray: every worker of a role that holds a model asks Ray for that many GPUs.
 
 Runs in a subprocess with its own Ray that declares 2 GPUs (Ray schedules declared GPUs like real ones and
 sets each worker's CUDA_VISIBLE_DEVICES), apart from the suite's GPU-less Ray. The reference worker (which
-builds its model on the CPU here) is started through RayBackend.start as a run starts it and must hold one
-of Ray's GPUs; a sharded group's placement group must reserve one GPU per rank.
+builds its model on the CPU here) is started through RayBackend.start as a run starts it: with the default
+(0) it reserves nothing (colocated roles share the node's GPUs), with 1 it holds one of Ray's GPUs; a
+sharded group's placement group then reserves one GPU per rank.
 """
 
 import json
@@ -25,8 +26,11 @@ SCRIPT = textwrap.dedent("""
     from rlpipe.engine.planning.config_io import validate_config
 
     ray.init(num_cpus=2, num_gpus=3)
-    gpus = [ray.available_resources().get("GPU", 0.0)]
     raw = quickstart_raw(resources={"device": "cuda"}, tracking={"enabled": False})
+    shared = RayBackend.start(validate_config(raw), {"ref"})  # gpus_per_worker 0: nothing reserved
+    gpus = [ray.available_resources().get("GPU", 0.0)]
+    shared.shutdown()
+    raw["resources"]["gpus_per_worker"] = 1
     backend = RayBackend.start(validate_config(raw), {"ref"})
     answered = backend.workers.call("ref", "__getattribute__", "rank")  # the worker runs: it got its GPU
     gpus.append(ray.available_resources().get("GPU", 0.0))

@@ -121,7 +121,7 @@ class WorkerGroup:
     """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it."""
 
     def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
-                 node_resource: str | None = None, gpus: int = 0):
+                 node_resource: str | None = None, gpus: float = 0):
         self.role = role
         self.sharded = sharded
         self.placement_group = None
@@ -147,7 +147,7 @@ class WorkerGroup:
         self.killed: set[int] = set()
         """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
 
-    def _pack(self, size: int, node_resource: str | None, gpus: int = 0) -> tuple[str, list[dict]]:
+    def _pack(self, size: int, node_resource: str | None, gpus: float = 0) -> tuple[str, list[dict]]:
         """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's; with
         ``gpus`` per rank) and the gloo rendezvous address on that node."""
         from ray.util.placement_group import placement_group
@@ -203,7 +203,7 @@ class RayBackend:
         groups = {}
         for role in sorted(roles):
             spec = WORKER_ROLES.get(role)
-            gpus = 1 if spec.holds_model and config.resources.device == "cuda" else 0
+            gpus = config.resources.gpus_per_worker if spec.holds_model else 0
             groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
                                        config.resources.placement.get(role), gpus)
         backend = cls(groups)

@@ -63,7 +63,7 @@ class RoleSpec:
     """Calls one worker serves at once (threads of its Ray actor); > 1 only for thread-safe states
     whose methods may block (the async modes' sampler: ``sample_wait`` waits while replicas store)."""
     holds_model: bool = False
-    """Holds a model on ``resources.device``: on Ray each worker then asks for one GPU when that is cuda."""
+    """Holds a model on ``resources.device``: on Ray each worker asks for ``resources.gpus_per_worker`` GPUs."""
 
 
 class RolloutState:
