@@ -1,11 +1,18 @@
-"""megatron-core vs transformers on one GPU: same weights, same batch → loss, grad norm, tokens/s.
+"""trainer.backend megatron vs the torch trainer on one GPU: same weights, same batch, same PPO update.
 
-Builds a random Qwen2 (or Llama) model with transformers, converts its weights with
-``rlpipe.backends.megatron_convert.hf_to_megatron`` into a megatron-core GPTModel (local layer
-spec, TP=1, PP=1, float32, no fusions), runs forward + backward on the same random batch in
-both, and prints one JSON line: loss and grad norm of each (they must agree to ~1e-4 relative),
-max |logit difference|, and forward+backward tokens/s of each. Needs CUDA; run by
-benchmarks/gpu_check.sh, which lists the wheels it needs. Not run in CI (no GPU there).
+Builds both trainer ranks the way a run does (``TrainState`` with ``trainer.backend: replicated`` and
+``MegatronTrainState`` with ``trainer.backend: megatron``) from the same randomly initialized
+Qwen2/Llama model (``model.architecture``, byte-level vocabulary), makes one random batch
+(prompts and responses of the given lengths, random advantages), then on both:
+
+* π_old logprobs (old_log_prob/trainer: megatron's forward-only schedule vs eager forwards);
+* one PPO update (update/ppo: megatron's schedule with the injected loss, its distributed
+  optimizer) → loss and grad norm, which must agree to bf16 tolerance (``--rtol``, default 2e-2);
+* ``--repeats`` more updates timed → trained tokens per second (prompt + response tokens through
+  forward, backward and optimizer step).
+
+Prints one JSON line (also to ``$OUT/gpu_check.json`` when ``OUT`` is set). Needs CUDA and
+megatron-core; run by benchmarks/gpu_check.sh, which lists the wheels.
 """
 
 from __future__ import annotations
@@ -15,71 +22,49 @@ import json
 import os
 import time
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
-import torch.distributed as dist
 
 
-def hf_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    cls, model = (Qwen2Config, Qwen2ForCausalLM) if args.family == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    cfg = cls(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-              num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
-              tie_word_embeddings=args.tied, attn_implementation="eager")
-    torch.manual_seed(0)
-    return model(cfg).cuda().float()
-
-
-def megatron_model(hf, args):
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    from rlpipe.backends.megatron_convert import DecoderShape, hf_to_megatron
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29555")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    c = hf.config
-    cfg = TransformerConfig(
-        num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads, ffn_hidden_size=c.intermediate_size, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
-        add_bias_linear=False, add_qkv_bias=args.family == "qwen2", hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+def pipeline_config(args, backend: str):
+    from rlpipe.schemas.config import (
+        ArchitectureConfig, DataConfig, ModelConfig, OptimizerConfig, PipelineConfig, ResourcesConfig, TokenizerConfig,
+        TrainerConfig,
     )
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=c.vocab_size,
-                   max_sequence_length=args.seq, position_embedding_type="rope",
-                   rotary_base=int(getattr(c, "rope_theta", 10000)),
-                   share_embeddings_and_output_weights=c.tie_word_embeddings).cuda().float()
-    hf_sd = {k: v for k, v in hf.state_dict().items() if not (c.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = gpt.load_state_dict(hf_to_megatron(hf_sd, DecoderShape.from_hf(c)), strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-    return gpt
+
+    arch = ArchitectureConfig(family=args.family, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                              num_kv_heads=args.kv_heads, intermediate_size=args.ffn,
+                              max_position_embeddings=args.prompt_len + args.response_len)
+    trainer = TrainerConfig(backend=backend, total_steps=args.repeats + 1, micro_batch_size=args.micro, grad_clip=1.0,
+                            optimizer=OptimizerConfig(lr=1e-5))
+    return PipelineConfig(model=ModelConfig(architecture=arch, dtype=args.dtype), tokenizer=TokenizerConfig(byte_level=True),
+                          data=DataConfig(prompts_per_step=args.rows), trainer=trainer,
+                          resources=ResourcesConfig(device=args.device), stages=[])
 
 
-def run(name, forward, model, ids, labels, repeats):
-    model.zero_grad(set_to_none=True)
-    logits = forward(ids)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-    loss.backward()
-    norm = torch.sqrt(sum(p.grad.float().square().sum() for p in model.parameters() if p.grad is not None))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        out = forward(ids)
-        torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), labels.reshape(-1)).backward()
-    torch.cuda.synchronize()
-    tps = repeats * ids.numel() / (time.perf_counter() - start)
-    return {f"{name}_loss": float(loss), f"{name}_grad_norm": float(norm), f"{name}_tokens_per_s": tps}, logits.detach()
+def random_batch(args, vocab: int) -> pa.Table:
+    rng = np.random.default_rng(1)
+    lens_p = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.rows)
+    lens_r = rng.integers(args.response_len // 2, args.response_len + 1, args.rows)
+    ids = lambda n: rng.integers(3, vocab, n).astype(np.int32).tolist()  # noqa: E731
+    return pa.table({
+        "prompt_ids": pa.array([ids(n) for n in lens_p], pa.list_(pa.int32())),
+        "response_ids": pa.array([ids(n) for n in lens_r], pa.list_(pa.int32())),
+        "response_mask": pa.array([[1] * n for n in lens_r], pa.list_(pa.int8())),
+        "advantages": pa.array([rng.normal(size=n).astype(np.float32).tolist() for n in lens_r], pa.list_(pa.float32())),
+    })  # fmt: skip
 
 
-def main():
+def update(state, table) -> dict[str, float]:
+    from rlpipe.stage import StageContext, stage_registry
+
+    spec = stage_registry("update").get("ppo")
+    return spec.fn(state, table, spec.params_model(), StageContext(step=0, seed=0)).metrics
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", choices=["qwen2", "llama"], default="qwen2")
     ap.add_argument("--hidden", type=int, default=1024)
@@ -87,32 +72,63 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--tied", action="store_true")
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--response-len", type=int, default=256)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rtol", type=float, default=2e-2, help="relative tolerance of loss and grad norm (bf16)")
+    ap.add_argument("--backends", default="torch,megatron", help="comma-separated; torch alone also runs on CPU")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check.py needs a CUDA device")
-    hf = hf_model(args)
-    gpt = megatron_model(hf, args)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g).cuda()
-    ids, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    positions = torch.arange(args.seq, device="cuda").expand(args.batch, -1)
-    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
-    stats, hf_logits = run("hf", lambda x: hf(input_ids=x).logits, hf, ids, labels, args.repeats)
-    result.update(stats)
-    stats, mg_logits = run("megatron", lambda x: gpt(x, positions, None), gpt, ids, labels, args.repeats)
-    result.update(stats)
-    result["max_abs_logit_diff"] = float((hf_logits - mg_logits).abs().max())
-    result["loss_rel_diff"] = abs(result["hf_loss"] - result["megatron_loss"]) / abs(result["hf_loss"])
-    result["grad_norm_rel_diff"] = abs(result["hf_grad_norm"] - result["megatron_grad_norm"]) / result["hf_grad_norm"]
-    result["agree"] = result["loss_rel_diff"] < 1e-4 and result["grad_norm_rel_diff"] < 1e-3
-    print(json.dumps(result))
-    dist.destroy_process_group()
+    backends = args.backends.split(",")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check.py needs a CUDA device (--device cpu --backends torch checks the script itself)")
+    from rlpipe.engine.state.train_state import TrainState
+    from rlpipe.stages.logprobs import score_batch
 
+    states = {"torch": TrainState(pipeline_config(args, "replicated"), 0, 1, None)}
+    if "megatron" in backends:
+        from rlpipe.engine.state.megatron_state import MegatronTrainState
+
+        states["megatron"] = MegatronTrainState(pipeline_config(args, "megatron"), 0, 1, None)
+    table = random_batch(args, states["torch"].model.config.vocab_size)
+    old = score_batch(states["torch"].model, table, 0, 1.0, args.micro)
+    # π_old off by a little from the current policy: ratios ≠ 1 and some clipped, so the loss depends on the logits
+    noise = np.random.default_rng(2).normal(0.0, 0.2, len(old.values)).astype(np.float32)
+    old_np = pa.ListArray.from_arrays(old.offsets, pa.array(old.values.to_numpy() + noise))
+    table = table.append_column("old_logprobs", old_np)
+    result: dict = {"torch": torch.__version__, "args": vars(args),
+                    "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    if "megatron" in states:
+        mg_old = score_batch(states["megatron"].model, table, 0, 1.0, args.micro,
+                             forward_passes=states["megatron"].forward_passes)
+        result["old_logprob_max_abs_diff"] = float(np.abs(old.values.to_numpy() - mg_old.values.to_numpy()).max())
+    lengths = lambda col: pa.compute.list_value_length(table.column(col)).to_numpy()  # noqa: E731
+    tokens = int(lengths("prompt_ids").sum() + lengths("response_ids").sum())
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    for name, state in states.items():
+        first = update(state, table)
+        result[f"{name}_pg_loss"], result[f"{name}_grad_norm"] = first["actor/pg_loss"], first["actor/grad_norm"]
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            update(state, table)
+        sync()
+        result[f"{name}_tokens_per_s"] = args.repeats * tokens / (time.perf_counter() - start)
+    if "megatron" in states:
+        for key in ("pg_loss", "grad_norm"):
+            ref = result[f"torch_{key}"]
+            result[f"{key}_rel_diff"] = abs(result[f"megatron_{key}"] - ref) / max(abs(ref), 1e-12)
+        result["agree"] = result["pg_loss_rel_diff"] < args.rtol and result["grad_norm_rel_diff"] < args.rtol
+    line = json.dumps(result)
+    print(line)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_check.json"), "w") as f:
+            f.write(line + "\n")
+    if result.get("agree") is False:
+        raise SystemExit(f"megatron and torch disagree beyond rtol {args.rtol}: {line}")
 
 if __name__ == "__main__":
     main()

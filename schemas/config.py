@@ -149,8 +149,8 @@ class TrainerConfig(Strict):
     backend: str = "replicated"
     """How the DP ranks hold the model (a registered trainer backend): `replicated` (a full copy per
     rank, gradients all-reduced), `fsdp2` (torch FSDP2: parameters, gradients and AdamW state sharded
-    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core
-    tensor/pipeline parallelism; needs CUDA, refused on CPU)."""
+    over the ranks, ≈ 1/dp_size each; for models that do not fit one worker), `megatron` (megatron-core's
+    GPTModel, schedules and distributed optimizer; TP = PP = 1; needs CUDA, refused on CPU)."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each global batch."""
     ppo_mini_batch_size: int | None = Field(None, ge=1)
@@ -206,6 +206,18 @@ class ResourcesConfig(Strict):
     the role asks for 0.001 of that resource; roles not named go wherever Ray puts them. The DP ranks of
     a sharded role (actor, critic) are packed onto one node by a placement group (gloo rendezvous on
     that node's address). Nodes share no filesystem: see README, "Multi-node"."""
+    gpus_per_worker: float = Field(0.0, ge=0)
+    """GPUs each worker of a model-holding role (actor, critic, reference, rollout) asks Ray for; needs
+    `device: cuda`. 0: none reserved, every worker sees all of its node's GPUs (roles colocated on one GPU,
+    as the sync mode does); 1: a GPU of its own (Ray sets its CUDA_VISIBLE_DEVICES: separate GPUs, e.g. for
+    NCCL weight broadcast or megatron DP ranks); a fraction shares one (0.5: two workers per GPU)."""
+
+    @model_validator(mode="after")
+    def _gpus_need_cuda(self) -> "ResourcesConfig":
+        if self.gpus_per_worker and self.device != "cuda":
+            raise ValueError(f"resources.gpus_per_worker {self.gpus_per_worker:g} reserves GPUs, but resources.device "
+                             "is cpu: set device: cuda, or gpus_per_worker: 0")
+        return self
 
 
 class TrackingConfig(Strict):

@@ -48,7 +48,18 @@ def model_logprobs(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, t
     or Σ_v π(v)² (``with_sum_pi_squared``) in the second slot."""
     seq = SequenceInputs(batch.column(PROMPT_IDS), batch.column(RESPONSE_IDS), pad_token_id)
     seq.to(next(model.parameters()).device)
-    logits = model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids).logits
+    logp, second = logprobs_from_logits(seq, eager_logits(model, seq), temperature, with_entropy, with_sum_pi_squared)
+    return logp, second, seq
+
+
+def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
+    """``model``'s logits for ``seq`` (one plain forward call)."""
+    return model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids).logits
+
+
+def logprobs_from_logits(seq: SequenceInputs, logits: torch.Tensor, temperature: float, with_entropy: bool = False,
+                         with_sum_pi_squared: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The response tokens' logprobs (and entropies or Σ_v π(v)²) from logits laid out as ``seq``."""
     logp = seq.response_logprobs(logits, temperature)
     second = None
     if with_entropy or with_sum_pi_squared:
@@ -56,7 +67,7 @@ def model_logprobs(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, t
         scaled = logits[:, start : start + seq.response_width] / temperature
         per_token = entropy_from_logits(scaled) if with_entropy else torch.softmax(scaled.float(), -1).square().sum(-1)
         second = per_token * seq.response_padding
-    return logp, second, seq
+    return logp, second
 
 
 def micro_batches(num_rows: int, size: int) -> list[np.ndarray]:
@@ -75,19 +86,30 @@ def keep_in_step(state, count: int, backward: bool) -> None:
 
 @torch.no_grad()
 def score_batch(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, temperature: float,
-                micro_batch_size: int, with_sum_pi_squared: bool = False):
+                micro_batch_size: int, with_sum_pi_squared: bool = False, forward_passes=None):
     """Logprobs of every response token of ``batch`` as a jagged float32 column
-    (with ``with_sum_pi_squared``: a pair, logprobs and Σ_v π(v)²)."""
+    (with ``with_sum_pi_squared``: a pair, logprobs and Σ_v π(v)²).
+
+    ``forward_passes(seqs, consume)`` runs the forward-only passes when the trainer drives them itself (the
+    megatron backend: its pipeline schedule with ``forward_only=True``); it returns ``[consume(seq, logits)]``
+    in order. None: one eager forward per micro-batch."""
     was_training = model.training
     model.eval()
-    chunks, squares = [], []
-    for rows in micro_batches(batch.num_rows, micro_batch_size):
-        sub = batch.take(pa.array(rows))
-        logp, sq, seq = model_logprobs(model, sub, pad_token_id, temperature, with_sum_pi_squared=with_sum_pi_squared)
-        chunks.append(from_padded(logp, seq.response_lengths, pa.float32()))
-        if with_sum_pi_squared:
-            squares.append(from_padded(sq, seq.response_lengths, pa.float32()))
+    device = next(model.parameters()).device
+    subs = [batch.take(pa.array(rows)) for rows in micro_batches(batch.num_rows, micro_batch_size)]
+    seqs = [SequenceInputs(sub.column(PROMPT_IDS), sub.column(RESPONSE_IDS), pad_token_id).to(device) for sub in subs]
+
+    def consume(seq: SequenceInputs, logits: torch.Tensor):
+        return logprobs_from_logits(seq, logits, temperature, with_sum_pi_squared=with_sum_pi_squared)
+
+    if forward_passes is None:
+        results = [consume(seq, eager_logits(model, seq)) for seq in seqs]
+    else:
+        results = forward_passes(seqs, consume)
     model.train(was_training)
+    chunks = [from_padded(logp, seq.response_lengths, pa.float32()) for seq, (logp, _) in zip(seqs, results)]
+    squares = [from_padded(sq, seq.response_lengths, pa.float32()) for seq, (_, sq) in zip(seqs, results)
+               if with_sum_pi_squared]
     empty = pa.array([], type=pa.list_(pa.float32()))
     logps = pa.concat_arrays(chunks) if chunks else empty
     return (logps, pa.concat_arrays(squares) if squares else empty) if with_sum_pi_squared else logps
@@ -111,7 +133,7 @@ def _score_on(state, batch: pa.Table, params: LogProbParams, ctx, with_sum_pi_sq
     micro = params.micro_batch_size or state.config.trainer.micro_batch_size
     keep_in_step(state, len(micro_batches(batch.num_rows, micro)), backward=False)
     return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro,
-                       with_sum_pi_squared)
+                       with_sum_pi_squared, getattr(state, "forward_passes", None))
 
 
 @stage("old_log_prob", "bypass", reads=cols(ROLLOUT_LOGPROBS), writes=cols(OLD_LOGPROBS))

@@ -13,17 +13,19 @@ is ``rlpipe.stages.algos.policy_loss.actor_loss``.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pyarrow as pa
 import torch
 
-from rlpipe.jagged import to_padded
+from rlpipe.jagged import SequenceInputs, to_padded
 from rlpipe.schemas.batch import (
     ADVANTAGES, IS_WEIGHTS, OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, RESPONSE_MASK,
 )
 from rlpipe.stage import StageResult, cols, stage
 from rlpipe.stages.algos.policy_loss import SUMMED_METRICS, ActorLossConfig, LossDenominators, actor_loss
-from rlpipe.stages.logprobs import keep_in_step, micro_batches, model_logprobs
+from rlpipe.stages.logprobs import eager_logits, keep_in_step, logprobs_from_logits, micro_batches
 
 
 class PPOUpdateParams(ActorLossConfig):
@@ -78,31 +80,50 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
     signal = (to_padded(mini.column(ADVANTAGES), 0, torch.float32, masks.shape[1]) * masks).abs().sum().item()
     local = torch.tensor([masks.sum().item(), (masks.sum(1) > 0).sum().item(), signal], dtype=torch.float64)
     global_tokens, global_seqs, global_signal = state.all_reduce_sum(local).tolist()
-    loss_finite = True
     denominators = LossDenominators(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=state.world_size)
-    sums: dict[str, float] = {}
-    micros = micro_batches(mini.num_rows, micro_size)
+    micros = [mini.take(pa.array(rows)) for rows in micro_batches(mini.num_rows, micro_size)]
     keep_in_step(state, len(micros), backward=True)
-    for rows in micros:
-        micro = mini.take(pa.array(rows))
-        logp, entropy, seq = model_logprobs(
-            state.model, micro, state.pad_token_id, temperature, with_entropy=params.entropy_coeff != 0
-        )
-        width, dev = seq.response_width, state.device
-        mask = _padded(micro, RESPONSE_MASK, width, dev) * seq.response_padding
-        loss, metrics = actor_loss(
-            params, log_prob=logp, old_log_prob=_padded(micro, OLD_LOGPROBS, width, dev),
-            advantages=_padded(micro, ADVANTAGES, width, dev), response_mask=mask, denominators=denominators,
-            ref_log_prob=_padded(micro, REF_LOGPROBS if params.use_kl_loss else None, width, dev),
-            entropy=entropy,
-            rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width, dev),
-        )
-        loss_finite = loss_finite and bool(torch.isfinite(loss.detach()))
-        loss.backward()
-        share = len(rows) / mini.num_rows
+    jobs = []
+    for micro in micros:
+        seq = SequenceInputs(micro.column(PROMPT_IDS), micro.column(RESPONSE_IDS), state.pad_token_id).to(state.device)
+        jobs.append((seq, partial(_micro_loss, micro=micro, params=params, temperature=temperature,
+                                  denominators=denominators, device=state.device)))
+    # the trainer may drive the passes itself (megatron: the loss function injected into its pipeline schedule)
+    passes = getattr(state, "train_passes", None) or partial(eager_train_passes, state.model)
+    sums: dict[str, float] = {}
+    loss_finite = True
+    for micro, (loss, metrics) in zip(micros, passes(jobs)):
+        loss_finite = loss_finite and bool(torch.isfinite(loss))
+        share = micro.num_rows / mini.num_rows
         for key, value in metrics.items():
             # loss terms are this micro-batch's share of the mini-batch loss: sum them; the rest are means
             weight = 1.0 if key in SUMMED_METRICS else share
             sums[key] = sums.get(key, 0.0) + weight * float(value)
     sums.update(state.optimizer_step(loss_finite=loss_finite, expect_grad=global_signal > 0))
     return sums
+
+
+def _micro_loss(seq: SequenceInputs, logits: torch.Tensor, *, micro: pa.Table, params: PPOUpdateParams,
+                temperature: float, denominators: LossDenominators, device) -> tuple[torch.Tensor, dict]:
+    """One micro-batch's share of the mini-batch loss (normalized by the global denominators) from its logits."""
+    logp, entropy = logprobs_from_logits(seq, logits, temperature, with_entropy=params.entropy_coeff != 0)
+    width = seq.response_width
+    mask = _padded(micro, RESPONSE_MASK, width, device) * seq.response_padding
+    return actor_loss(
+        params, log_prob=logp, old_log_prob=_padded(micro, OLD_LOGPROBS, width, device),
+        advantages=_padded(micro, ADVANTAGES, width, device), response_mask=mask, denominators=denominators,
+        ref_log_prob=_padded(micro, REF_LOGPROBS if params.use_kl_loss else None, width, device),
+        entropy=entropy,
+        rollout_is_weights=_padded(micro, IS_WEIGHTS if params.use_is_weights else None, width, device),
+    )
+
+
+def eager_train_passes(model: torch.nn.Module, jobs) -> list[tuple[torch.Tensor, dict]]:
+    """Forward and backward of every ``(seq, loss_of_logits)`` job, one after the other; the detached losses
+    and metrics."""
+    out = []
+    for seq, loss_of in jobs:
+        loss, metrics = loss_of(seq, eager_logits(model, seq))
+        loss.backward()
+        out.append((loss.detach(), metrics))
+    return out

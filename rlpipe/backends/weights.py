@@ -12,7 +12,8 @@ Implements boundaries 1-3 of a weight push (SPEC R6) for the embedded backends:
    parameter is written, so a bad push leaves the engine's weights untouched.
 
 Delta format: :func:`delta_bucket` / :func:`apply_delta` send only the changed 4-byte
-words of a bucket, checksummed at both ends (not yet used by the weight_sync stage).
+words of a bucket, checksummed at both ends (pushed by weight_sync impl ``delta``, see
+:mod:`rlpipe.backends.weight_delta`).
 Left out here: double buffering, fused-QKV splitting (they belong to the transports /
 exporters built on top of this format), and buffers such as rotary frequencies
 (non-persistent, derived from the model config).
@@ -211,9 +212,8 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict
 # --- delta transport format ------------------------------------------------------------------
 # A push that sends only the 4-byte words that changed since the receiver's copy of a bucket.
 # Buckets are 64-byte aligned, so every bucket is a whole number of words; a changed float32
-# element is one word (a bfloat16 pair shares one). Format and checks only: the weight_sync
-# stage still sends full buckets (wiring a delta push needs each replica to keep its last
-# buckets, and the trainer its last export).
+# element is one word (a bfloat16 pair shares one). The pushes built on it (the trainer keeps
+# its last export, each replica its last buckets) are rlpipe.backends.weight_delta.
 
 
 @dataclass(frozen=True)
@@ -222,7 +222,7 @@ class DeltaBucket:
 
     base_checksum: str
     """Checksum of the bucket this delta applies to (the receiver's current copy)."""
-    indices: np.ndarray  # int64 word positions
+    indices: np.ndarray  # word positions (uint32, or int64 for buckets of 2**32 words or more)
     values: np.ndarray  # uint32 new words
     tensors: tuple[TensorMeta, ...]
     checksum: str
@@ -239,7 +239,9 @@ def delta_bucket(base: WeightBucket, new: WeightBucket) -> DeltaBucket:
         raise WeightTransportError("a delta needs two buckets of the same tensors and layout; send a full bucket")
     old_words, new_words = base.data.view(np.uint32), new.data.view(np.uint32)
     indices = np.flatnonzero(old_words != new_words)
-    return DeltaBucket(base.checksum, indices.astype(np.int64), new_words[indices].copy(), new.tensors, new.checksum)
+    # 4-byte positions while a bucket has < 2**32 words (every bucket of a sane bucket_bytes)
+    index_type = np.uint32 if len(new_words) < 2**32 else np.int64
+    return DeltaBucket(base.checksum, indices.astype(index_type), new_words[indices].copy(), new.tensors, new.checksum)
 
 
 def apply_delta(base: WeightBucket, delta: DeltaBucket) -> WeightBucket:

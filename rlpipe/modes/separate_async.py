@@ -174,10 +174,13 @@ class SeparateAsyncMode(AsyncMode):
             cause = getattr(exc, "cause", None)
             raise (cause if isinstance(cause, BaseException) else exc) from None
         nodes = {node.name: node for node in [self.generate_node, *self.head]}
+        executor = self.runtime.executor
+        # on Ray, the lineage names the Ray node each replica ran on, as it does for the other roles
+        hosts = getattr(executor.backend, "group_nodes", lambda role: [])("rollout")
         for replica, report in enumerate(reports):
+            worker = f"rollout[{replica}]" + (f"@{hosts[replica]}" if replica < len(hosts) else "")
             for record in report["records"]:
-                self.runtime.executor.record_external(step, nodes[record.pop("node")], worker=f"rollout[{replica}]",
-                                                      **record)
+                executor.record_external(step, nodes[record.pop("node")], worker=worker, **record)
         self._reports = reports
         return [report["stats"] for report in reports]
 

@@ -104,3 +104,21 @@ def test_converted_dict_loads_into_a_megatron_core_gpt_model(megatron_world, kin
     assert all(k.endswith("_extra_state") for k in result.missing_keys)
     assert torch.equal(gpt.state_dict()["decoder.layers.1.self_attention.linear_qkv.weight"],
                        mg["decoder.layers.1.self_attention.linear_qkv.weight"])
+
+
+@pytest.mark.parametrize("kind,kv_heads,tied", [("qwen2", 2, True), ("llama", 4, False)])
+def test_the_megatron_backend_builds_its_gpt_model_from_the_hf_model(megatron_world, kind, kv_heads, tied):
+    """rlpipe.backends.megatron_trainer.build_gpt (what trainer.backend megatron trains): same weights back under HF
+    names bit for bit, the same rotary frequencies, and the loss settings the global denominator relies on."""
+    from rlpipe.backends.megatron_trainer import build_gpt, hf_weights
+
+    model = hf_model(kind, kv_heads, tied)
+    gpt, shape, config = build_gpt(model, torch.device("cpu"))
+    back = hf_weights(gpt, shape)
+    expected = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+    torch.testing.assert_close(gpt.rotary_pos_emb.inv_freq, model.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert config.calculate_per_token_loss and config.add_qkv_bias == (kind == "qwen2")
+    assert config.num_query_groups == kv_heads and not config.masked_softmax_fusion

@@ -3,8 +3,9 @@
 Run by tests/e2e/test_multinode.py in a subprocess, so its cluster never meets the suite's shared
 local Ray. The head has the driver and stateless tasks; node_a (custom resource `node_a`) gets the
 actor's 2 DP ranks (trainer.backend fsdp2: sharded, so weight pushes and the final save are
-collectives of both ranks), node_b the rollout replica. Prints one JSON line: the node ids and every
-lineage record's node, kind and worker.
+collectives of both ranks), node_b the rollout replica. Then a 2-step separate_async run on the same
+cluster (trainer on node_a, rollout pool on node_b, weight pushes by broadcast). Prints one JSON line:
+the node ids and every lineage record's node, kind and worker, for both runs.
 """
 
 import json
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class Recorder:
     def __init__(self):
-        self.records = []
+        self.records, self.metrics = [], {}
 
     def on_run_start(self, config, pipeline_yaml, plan_summary) -> str:
         return "multinode"
@@ -29,13 +30,31 @@ class Recorder:
         self.records.append(record)
 
     def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
-        pass
+        self.metrics[step] = {k: v for k, v in metrics.items() if k.startswith("weight_sync/")}
 
     def on_artifact(self, local_path, artifact_path=None):
         pass
 
     def on_run_end(self, status, error=None):
         self.status = status
+
+
+def separate_async(workdir: str) -> dict:
+    """2 steps of the async quickstart on the same cluster: the rollout pool on node_b generates continuously while
+    the trainer on node_a trains; deferred weight pushes by broadcast over a gloo weight group spanning both nodes."""
+    from rlpipe.engine.planning.config_io import validate_config
+    from rlpipe.engine.runtime import run_pipeline
+
+    raw = yaml.safe_load((ROOT / "pipelines" / "quickstart_async.yaml").read_text())
+    raw["data"]["prompts_per_step"] = 4
+    raw["trainer"].update(total_steps=2, ppo_mini_batch_size=2, output_dir=f"{workdir}/outputs-async")
+    raw["resources"] = {"placement": {"actor": "node_a", "rollout": "node_b"}}
+    raw["tracking"] = {"enabled": False}
+    raw["stages"][-1] = {"kind": "weight_sync", "impl": "broadcast", "params": {"timeout_s": 60}}
+    recorder = Recorder()
+    run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder)
+    return {"status": recorder.status, "metrics": recorder.metrics,
+            "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records]}
 
 
 def main(workdir: str) -> None:
@@ -55,11 +74,13 @@ def main(workdir: str) -> None:
         recorder = Recorder()
         result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder)
         final = Path(result.output_dir) / "final" / "model.safetensors"
-        print(json.dumps({
+        report = {
             "final_model": final.is_file(),
             "node_a": node_a.node_id, "node_b": node_b.node_id, "status": recorder.status,
             "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records],
-        }))
+        }
+        report["async"] = separate_async(workdir)
+        print(json.dumps(report))
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -3,7 +3,8 @@
 tests/e2e/multinode_run.py starts a 3-node ray.cluster_utils.Cluster in a subprocess (the
 suite's shared local Ray is never touched), runs 2 sync steps of the quickstart with
 `placement: {actor: node_a, rollout: node_b}` and 2 FSDP2-sharded DP trainer ranks (a STRICT_PACK
-placement group, gloo rendezvous on node_a's address), and reports the lineage records.
+placement group, gloo rendezvous on node_a's address), then 2 separate_async steps (rollout pool on
+node_b, trainer on node_a, weight pushes by broadcast across the nodes), and reports the lineage records.
 """
 
 import json
@@ -46,3 +47,13 @@ def test_roles_run_on_the_nodes_the_yaml_names(multinode):
 def test_lineage_records_where_every_execution_ran(multinode):
     for record in multinode["records"]:
         assert record["worker"] in ("task", "driver") or "@" in record["worker"], record
+
+
+def test_a_separate_async_run_with_broadcast_pushes_finishes_across_nodes(multinode):
+    run = multinode["async"]
+    assert run["status"] == "FINISHED", run
+    by_kind = {r["kind"]: r["worker"] for r in run["records"]}
+    assert by_kind["update"] == f"actor×1@{multinode['node_a']}"
+    assert by_kind["generate"].endswith(f"@{multinode['node_b']}"), by_kind
+    versions = [m["weight_sync/version"] for _, m in sorted(run["metrics"].items(), key=lambda kv: int(kv[0]))]
+    assert versions == sorted(versions) and versions[-1] >= 1.0, run["metrics"]

@@ -114,3 +114,89 @@ def test_push_wakes_a_sleeping_engine(roles):
     push(workers)
     assert not rollout.engine.asleep and rollout.engine.version == 1
     assert len(rollout.engine.generate(requests("w", n=1))) == 1
+
+
+# --- weight_sync/delta: only the changed words travel, checksummed; whole at every flush ----------------
+
+
+def delta_push(workers, full_every: int, step: int = 0):
+    spec = stage_registry("weight_sync").get("delta")
+    params = spec.params_model(full_every=full_every)
+    return spec.fn(pa.table({"uid": ["a"]}), params, StageContext(step=step, seed=0, workers=workers)).metrics
+
+
+def nudge(trainer: TrainState, rows: int = 2) -> None:
+    """Change a few words of the trainer's weights (as a sparse or low-precision update does)."""
+    with torch.no_grad():
+        trainer.model.get_input_embeddings().weight[:rows, :3] += 0.25
+
+
+def test_delta_sends_the_changed_words_and_the_replica_matches_the_trainer_bit_for_bit(roles):
+    trainer, rollout, workers = roles
+    full_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    first = delta_push(workers, full_every=3)  # version 1: a flush
+    assert first["weight_sync/full_push"] == 1.0 and first["weight_sync/delta_buckets"] == 0.0
+    assert first["weight_sync/bytes"] >= full_bytes
+    for version in (2, 3):
+        nudge(trainer)
+        metrics = delta_push(workers, full_every=3, step=version)
+        assert metrics["weight_sync/version"] == float(version) and metrics["weight_sync/full_push"] == 0.0
+        assert metrics["weight_sync/delta_buckets"] == 1.0
+        assert metrics["weight_sync/bytes"] == 6 * 8  # 6 changed float32 words: a uint32 index + the word each
+        for key in ("export_s", "transport_s", "load_s", "push_s", "mb_per_s"):
+            assert metrics[f"weight_sync/{key}"] >= 0.0, key
+        for (name, p), q in zip(trainer.model.named_parameters(), rollout.engine.model.parameters()):
+            assert torch.equal(p, q), name
+    train_one_step(trainer)  # a dense AdamW step changes nearly every word: the bucket goes whole
+    dense = delta_push(workers, full_every=3, step=4)
+    assert dense["weight_sync/full_push"] == 1.0 and dense["weight_sync/bytes"] >= full_bytes
+    assert torch.equal(logits(rollout.engine.model), logits(trainer.model)) and rollout.get_version() == 4
+
+
+def test_a_corrupted_delta_is_refused_naming_the_boundary_and_the_weights_stay(roles):
+    from rlpipe.backends.weight_delta import DeltaPush
+    from rlpipe.backends.weights import DeltaBucket
+
+    trainer, rollout, workers = roles
+    delta_push(workers, full_every=10)
+    honest = trainer.export_delta_push
+
+    def corrupt(full_every):  # one bit flipped in transit, after the sender's checksum
+        push = honest(full_every)
+        parts = tuple(DeltaBucket(p.base_checksum, p.indices, p.values ^ 1, p.tensors, p.checksum)
+                      if isinstance(p, DeltaBucket) else p for p in push.parts)
+        return DeltaPush(parts, push.version, push.full, push.full_bytes, push.export_s, push.exported_at)
+
+    trainer.export_delta_push = corrupt
+    before = [p.clone() for p in rollout.engine.model.parameters()]
+    nudge(trainer)
+    with pytest.raises(Exception, match=r"boundary 2 \(transport: delta checksum, rollout replica 0\).*checksum"):
+        delta_push(workers, full_every=10, step=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, rollout.engine.model.parameters()))
+    assert rollout.get_version() == 1
+
+
+def test_a_restarted_replica_refuses_deltas_until_the_next_flush(roles):
+    from rlpipe.backends.weight_delta import DeltaReceiver
+
+    trainer, rollout, workers = roles
+    delta_push(workers, full_every=2)
+    rollout._delta_receiver = DeltaReceiver()  # as after a restart: no previous buckets
+    nudge(trainer)
+    with pytest.raises(Exception, match="holds no previous push"):
+        delta_push(workers, full_every=2, step=1)
+    nudge(trainer)
+    metrics = delta_push(workers, full_every=2, step=2)  # version 3: a flush heals it
+    assert metrics["weight_sync/full_push"] == 1.0
+    assert torch.equal(logits(rollout.engine.model), logits(trainer.model))
+
+
+def test_trainer_and_replica_must_agree_on_the_flush_count(roles):
+    trainer, rollout, workers = roles
+    push_ = trainer.export_delta_push(full_every=1)  # version 1 is a flush for every full_every
+    nudge(trainer)
+    trainer.bump_version()
+    rollout.push_weights(push_, 1, full_every=5)
+    second = trainer.export_delta_push(full_every=1)  # trainer: flush at version 2; replica (5): a delta
+    with pytest.raises(Exception, match="disagree on the flush count"):
+        rollout.push_weights(second, 2, full_every=5)

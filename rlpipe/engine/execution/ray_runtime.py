@@ -121,16 +121,19 @@ class WorkerGroup:
     """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it."""
 
     def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
-                 node_resource: str | None = None):
+                 node_resource: str | None = None, gpus: float = 0):
         self.role = role
         self.sharded = sharded
         self.placement_group = None
         options: list[dict] = [{} for _ in range(size)]
         address = None
         if sharded and size > 1:
-            address, options = self._pack(size, node_resource)
+            address, options = self._pack(size, node_resource, gpus)
         elif node_resource:
             options = [{"resources": {node_resource: PLACEMENT_SHARE}} for _ in range(size)]
+        for option in options:  # Ray gives each such worker its own GPU (CUDA_VISIBLE_DEVICES)
+            if gpus:
+                option["num_gpus"] = gpus
         tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         self.actors = [
             WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{role}:{rank}:{tag}", **options[rank])
@@ -144,13 +147,15 @@ class WorkerGroup:
         self.killed: set[int] = set()
         """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
 
-    def _pack(self, size: int, node_resource: str | None) -> tuple[str, list[dict]]:
-        """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's) and
-        the gloo rendezvous address on that node."""
+    def _pack(self, size: int, node_resource: str | None, gpus: float = 0) -> tuple[str, list[dict]]:
+        """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's; with
+        ``gpus`` per rank) and the gloo rendezvous address on that node."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {node_resource: PLACEMENT_SHARE} if node_resource else {"CPU": PLACEMENT_SHARE}
+        if gpus:
+            bundle["GPU"] = gpus
         self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
         ray.get(self.placement_group.ready())
         strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
@@ -198,8 +203,9 @@ class RayBackend:
         groups = {}
         for role in sorted(roles):
             spec = WORKER_ROLES.get(role)
+            gpus = config.resources.gpus_per_worker if spec.holds_model else 0
             groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
-                                       config.resources.placement.get(role))
+                                       config.resources.placement.get(role), gpus)
         backend = cls(groups)
         try:
             for group in groups.values():

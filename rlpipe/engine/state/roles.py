@@ -23,8 +23,11 @@ from rlpipe.agents.loop import build_agent
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.backends.weight_broadcast import BroadcastPlan, BroadcastReceiver
+from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_push
 from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
 from rlpipe.engine.state.train_state import TrainState
+from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas.config import PipelineConfig
@@ -59,6 +62,8 @@ class RoleSpec:
     max_concurrency: int = 1
     """Calls one worker serves at once (threads of its Ray actor); > 1 only for thread-safe states
     whose methods may block (the async modes' sampler: ``sample_wait`` waits while replicas store)."""
+    holds_model: bool = False
+    """Holds a model on ``resources.device``: on Ray each worker asks for ``resources.gpus_per_worker`` GPUs."""
 
 
 class RolloutState:
@@ -77,12 +82,17 @@ class RolloutState:
         # the agent (generate.params.agent) wraps the engine: generate, the rollout service and pushes drive it alike
         self.engine = engine if params is None else build_agent(engine, self.tokenizer, params)
         self._released_aborted = 0
+        self._delta_receiver = DeltaReceiver()
+        """The buckets this replica last loaded from a delta push (weight_sync impl delta)."""
+        self._broadcast_receiver = BroadcastReceiver(rank, config.resources.device)
+        """This replica's membership of the weight group (weight_sync impl broadcast)."""
 
     def load_weights(self, buckets, version: int) -> int:
         self.engine.load_weights(buckets, version)
         return version
 
-    def push_weights(self, push: WeightPush | Sequence[WeightBucket], version: int) -> dict[str, float]:
+    def push_weights(self, push: WeightPush | DeltaPush | Sequence[WeightBucket], version: int,
+                     full_every: int = 1) -> dict[str, float]:
         """Weight-push boundaries 0 and 2-4 on this replica: quiesce (abort in-flight requests),
         transport (arrival of the buckets), engine load, cache invalidation, resume.
 
@@ -91,12 +101,25 @@ class RolloutState:
         idle (sync) and simply loads. Returns ``aborted`` (requests aborted) and seconds per
         boundary (``quiesce_s``, ``transport_s``, ``load_s``, ``cache_reset_s``, ``resume_s``) with
         the export's ``export_s``, ``bytes`` and ``buckets``.
-        A failure names its boundary."""
-        arrived = time.time()
+        A failure names its boundary.
+
+        A :class:`~rlpipe.backends.weight_delta.DeltaPush` (weight_sync impl ``delta``, flushed whole every
+        ``full_every`` versions) is rebuilt against this replica's last buckets and checksum-verified
+        before anything is quiesced or written; ``bytes`` is then what was sent."""
+        sent, delta_parts = None, 0.0
+        if isinstance(push, DeltaPush):
+            with _boundary(f"2 (transport: delta checksum, rollout replica {self.rank})"):
+                if push.version != version:
+                    raise ValueError(f"a delta push made for version {push.version} arrived as version {version}")
+                rebuilt = self._delta_receiver.rebuild(push, full_every)
+            sent, delta_parts = float(push.nbytes), float(push.delta_parts)
+            push = as_weight_push(push, rebuilt)
         buckets = push.buckets if isinstance(push, WeightPush) else tuple(push)
-        stats = {"transport_s": arrived - push.exported_at if isinstance(push, WeightPush) else 0.0,
+        # transport: from the export until the buckets are here (and, for a delta, rebuilt and verified)
+        stats = {"transport_s": time.time() - push.exported_at if isinstance(push, WeightPush) else 0.0,
                  "export_s": push.export_s if isinstance(push, WeightPush) else 0.0,
-                 "bytes": float(sum(b.nbytes for b in buckets)), "buckets": float(len(buckets))}
+                 "bytes": sent if sent is not None else float(sum(b.nbytes for b in buckets)),
+                 "buckets": float(len(buckets)), "delta_buckets": delta_parts}
         self.engine.wake()
         service = getattr(self, "_service", None)
         t0 = time.perf_counter()
@@ -112,9 +135,20 @@ class RolloutState:
             if service is not None:
                 service.resume()
         t3 = time.perf_counter()
+        if sent is not None:  # loaded: the base of the next delta
+            self._delta_receiver.commit(tuple(buckets))
         cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
         return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
                 "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}
+
+    def receive_broadcast(self, plan: BroadcastPlan, version: int) -> dict[str, float]:
+        """Weight push over the weight group (weight_sync impl broadcast): receive every bucket trainer rank 0
+        broadcasts (checksums verified), then quiesce, load and resume as :meth:`push_weights`."""
+        with _boundary(f"2 (transport: broadcast, rollout replica {self.rank})"):
+            if plan.version != version:
+                raise ValueError(f"a broadcast planned for version {plan.version} arrived as version {version}")
+            push = self._broadcast_receiver.receive(plan)
+        return self.push_weights(push, version)
 
     def release_for_training(self) -> int:
         """Shared devices (colocate_async): abort in-flight requests (kept, resumed at the next
@@ -245,13 +279,15 @@ class ReferenceState:
 
 WORKER_ROLES.add(
     "actor",
-    RoleSpec(lambda c, r, w, a: TrainState(c, r, w, a), sharded=True, size=lambda c: c.trainer.dp_size),
+    # the trainer backend builds the rank's state (TrainState; MegatronTrainState for megatron)
+    RoleSpec(lambda c, r, w, a: TRAINER_BACKENDS.get(c.trainer.backend).build_state(c, r, w, a), sharded=True,
+             size=lambda c: c.trainer.dp_size, holds_model=True),
 )
 WORKER_ROLES.add(
     "rollout",
-    RoleSpec(RolloutState, sharded=False, size=lambda c: c.resources.rollout_replicas),
+    RoleSpec(RolloutState, sharded=False, size=lambda c: c.resources.rollout_replicas, holds_model=True),
 )
-WORKER_ROLES.add("ref", RoleSpec(ReferenceState, sharded=False, size=lambda c: 1))
+WORKER_ROLES.add("ref", RoleSpec(ReferenceState, sharded=False, size=lambda c: 1, holds_model=True))
 
 
 def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_address: str | None) -> TrainState:
@@ -262,4 +298,5 @@ def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_addre
                       model_factory=lambda tok: CriticModel(build_model(config.model, tok, config.seed)))
 
 
-WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size))
+WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size,
+                                    holds_model=True))

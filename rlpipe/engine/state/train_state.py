@@ -73,6 +73,8 @@ class TrainState:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(config.resources.device)
+        self._dist_host = dist_address.rsplit(":", 1)[0] if dist_address else None
+        """This node's address as the DP rendezvous knows it (the broadcast transport's default store host)."""
         self.tokenizer = build_tokenizer(config.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         factory = model_factory or (lambda tok: build_model(config.model, tok, config.seed))
@@ -230,6 +232,39 @@ class TrainState:
         if buckets is None:
             return None
         return WeightPush(tuple(buckets), export_s=time.perf_counter() - start, exported_at=time.time())
+
+    def export_delta_push(self, full_every: int):
+        """A delta push (rlpipe.backends.weight_delta) of the next version against this rank's last one; every
+        ``full_every``-th push is whole. Call on every rank (gathers); None off rank 0."""
+        from rlpipe.backends.weight_delta import DeltaSender
+
+        start = time.perf_counter()
+        buckets = self.export_weights()
+        if buckets is None:
+            return None
+        if getattr(self, "_delta_sender", None) is None:
+            self._delta_sender = DeltaSender()
+        return self._delta_sender.make(buckets, self.version + 1, full_every, time.perf_counter() - start)
+
+    def broadcast_export(self, replicas: int, backend: str, host: str | None, timeout_s: float):
+        """Pack the next push for the broadcast transport (rlpipe.backends.weight_broadcast) and return its plan
+        (metadata only); the bytes go in :meth:`broadcast_send`. Call on every rank (gathers); None off rank 0."""
+        from rlpipe.backends.weight_broadcast import BroadcastSender
+
+        start = time.perf_counter()
+        buckets = self.export_weights()
+        if buckets is None:
+            return None
+        if getattr(self, "_broadcast", None) is None:
+            self._broadcast = BroadcastSender(self.device, self._dist_host)
+        return self._broadcast.plan(buckets, self.version + 1, replicas, backend, host, timeout_s,
+                                    time.perf_counter() - start)
+
+    def broadcast_send(self) -> dict[str, float]:
+        """Rank 0: broadcast the buckets :meth:`broadcast_export` packed to the weight group (other ranks: nothing)."""
+        if self.rank != 0:
+            return {}
+        return self._broadcast.send()
 
     def bump_version(self) -> int:
         self.version += 1

@@ -11,10 +11,12 @@
   same number of forward/backward passes: :meth:`TrainState.lockstep_passes` agrees on it.
   Runs on gloo/CPU (measured with torch 2.13) and NCCL alike. Left out: mixed precision policies,
   CPU offload, prefetch tuning, resharding a checkpoint to another world size.
-* ``megatron`` — megatron-core's GPTModel with tensor/pipeline parallelism: needs CUDA (its RNG
-  tracker, RoPE, attention, DDP and schedules allocate on ``cuda``); on a CPU machine it refuses
-  with that reason. The HF ⇄ megatron weight conversion it would use is
-  ``rlpipe.backends.megatron_convert`` (CPU-tested); ``benchmarks/gpu_check.sh`` is the GPU check.
+* ``megatron`` — megatron-core's GPTModel built from the HF config, passes through its
+  pipeline schedule (``forward_only`` log-prob passes; the policy loss injected as the
+  schedule's loss function, with the global denominator), its distributed optimizer, export to
+  HF names (``rlpipe.backends.megatron_trainer``, ``rlpipe.engine.state.megatron_state``). CUDA
+  only (megatron-core's RNG tracker, RoPE, schedules and DDP allocate on ``cuda``): refused by
+  the plan check on CPU; TP = PP = 1; no checkpoints, no critic.
 
 A backend is registered in the ``trainer_backend`` registry; ``TrainState`` calls its hooks.
 """
@@ -41,6 +43,12 @@ class ReplicatedBackend:
 
     def check(self, config) -> None:
         """Plan-time check of the pipeline for this backend (raises ConfigError saying what to change)."""
+
+    def build_state(self, config, rank: int, world_size: int, dist_address: str | None):
+        """The actor's trainer state for one DP rank under this backend."""
+        from rlpipe.engine.state.train_state import TrainState
+
+        return TrainState(config, rank, world_size, dist_address)
 
     def wrap(self, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
         return model
@@ -110,7 +118,7 @@ class FSDP2Backend(ReplicatedBackend):
 
 
 class MegatronBackend(ReplicatedBackend):
-    """megatron-core GPTModel (TP/PP); GPU only, and not wired into the trainer yet."""
+    """megatron-core GPTModel, its schedules and distributed optimizer (rlpipe.backends.megatron_trainer); CUDA only."""
 
     name = "megatron"
     sharded = True
@@ -122,13 +130,25 @@ class MegatronBackend(ReplicatedBackend):
                 "RNG tracker, RoPE, attention, DDP and pipeline schedules allocate on a GPU. On CPU use "
                 "trainer.backend fsdp2 (sharded) or replicated"
             )
+        if config.trainer.checkpoint_every:
+            raise ConfigError("trainer.backend megatron does not write checkpoints (megatron's distributed "
+                              "checkpointing is not wired in); set trainer.checkpoint_every: 0")
+        critics = [s.kind for s in config.stages if s.kind.startswith("critic")]
+        if critics:
+            raise ConfigError(f"trainer.backend megatron trains the actor only; the pipeline has {critics[0]} "
+                              "stages (a critic): use trainer.backend fsdp2 or replicated for PPO with a critic")
+
+    def build_state(self, config, rank: int, world_size: int, dist_address: str | None):
+        from rlpipe.engine.state.megatron_state import MegatronTrainState
+
+        return MegatronTrainState(config, rank, world_size, dist_address)
 
     def wrap(self, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
-        raise ConfigError(
-            "trainer.backend megatron is an interface only in this version: the HF ⇄ megatron weight conversion "
-            "exists (rlpipe.backends.megatron_convert) but the megatron training loop is not wired in; run "
-            "benchmarks/gpu_check.sh on a GPU machine to check megatron-core there, and use trainer.backend fsdp2"
-        )
+        raise ConfigError("trainer.backend megatron builds its own model (MegatronTrainState); it wraps no torch module")
+
+    def full_parameters(self, model) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names of the GPTModel's weights (fused QKV and gate/up split back)."""
+        yield from model.named_hf_parameters()
 
 
 TRAINER_BACKENDS.add("replicated", ReplicatedBackend())
