@@ -30,7 +30,7 @@ def test_calculator_is_arithmetic_only():
 
 def test_registry_names_the_known_tools():
     assert {"calculator", "python", "latency"} <= set(TOOLS.names())
-    with pytest.raises(RegistryError, match="unknown tool 'nope'; known: calculator, latency, python"):
+    with pytest.raises(RegistryError, match="unknown tool 'nope'; known: calculator, latency, lookup, python"):
         build_tool("nope")
 
 
@@ -130,8 +130,8 @@ def test_agent_settings_are_checked_before_anything_runs():
     from rlpipe.stages.generate import GenerateParams
 
     GenerateParams(agent="tool_agent", agent_loop={"tools": ["python"], "tool_settings": {"python": {"cpu_s": 2}}})
-    for loop, text in (({"tools": ["nope"]}, "unknown tool(s) ['nope']; known: calculator, latency, python"),
-                       ({"parser": "xml"}, "unknown tool parser 'xml'; known: compact, hermes"),
+    for loop, text in (({"tools": ["nope"]}, "unknown tool(s) ['nope']; known: calculator, latency, lookup, python"),
+                       ({"parser": "xml"}, "unknown tool parser 'xml'; known: compact, hermes, trigger"),
                        ({"tool_settings": {"python": {}}}, "not in tools"),
                        ({"tools": ["python"], "tool_settings": {"python": {"cpus": 2}}}, "tool_settings.python")):
         with pytest.raises(ValidationError, match=re.escape(text)):
