@@ -77,16 +77,97 @@ def test_sandbox_runs_code_and_reports_its_failure_as_an_observation():
     assert not out.ok and "ValueError: bad" in out.text and "exit code 1" in out.text
 
 
+def left_running(marker: str) -> list[str]:
+    """Processes whose command line carries ``marker`` (the sandboxed code is on its command line)."""
+    time.sleep(0.2)
+    return subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+
+
 def test_sandbox_cpu_limit():
+    marker = f"rlpipe-cpu-{os.getpid()}"
     start = time.monotonic()
-    out = run_python("while True: pass", SandboxLimits(cpu_s=1, wall_s=30))
+    out = run_python(f"# {marker}\nwhile True: pass", SandboxLimits(cpu_s=1, wall_s=30))
     assert not out.ok and "CPU limit" in out.text
     assert time.monotonic() - start < 25
+    assert left_running(marker) == []
 
 
 def test_sandbox_memory_limit():
-    out = run_python("x = bytearray(600 * 2**20); print('allocated')", FAST)
+    marker = f"rlpipe-memory-{os.getpid()}"
+    out = run_python(f"# {marker}\nx = bytearray(600 * 2**20); print('allocated')", FAST)
     assert not out.ok and "MemoryError" in out.text and "allocated" not in out.text
+    assert left_running(marker) == []
+
+
+def test_sandbox_stops_a_fork_bomb():
+    marker = f"rlpipe-forkbomb-{os.getpid()}"
+    start = time.monotonic()
+    out = run_python(f"# {marker}\nimport os\nwhile True:\n    os.fork()\n", FAST)
+    assert not out.ok and "PermissionError: sandbox: starting processes (os.fork)" in out.text
+    assert time.monotonic() - start < 10
+    out = run_python(f"# {marker}\nimport subprocess\nsubprocess.run(['sleep', '300'])\n", FAST)
+    assert not out.ok and "starting processes (import subprocess)" in out.text
+    assert left_running(marker) == [] and subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True).stdout == b""
+
+
+def test_sandbox_stops_writes_outside_its_temp_dir(tmp_path):
+    target = tmp_path / "escaped.txt"
+    attempts = {
+        "open": f"open({str(target)!r}, 'w').write('x')",
+        "pathlib": f"import pathlib; pathlib.Path({str(target)!r}).write_text('x')",
+        "os.open": f"import os; os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        "append": f"open({str(target)!r}, 'a').write('x')",
+        "rename out": f"open('here', 'w').write('x'); import os; os.rename('here', {str(target)!r})",
+        "symlink out": f"import os; os.symlink({str(tmp_path)!r}, 'link'); open('link/escaped.txt', 'w')",
+        "relative": "import os; open(os.path.join('..', 'rlpipe-escaped.txt'), 'w')",
+    }
+    for name, code in attempts.items():
+        out = run_python(code, FAST)
+        assert not out.ok and "PermissionError: sandbox:" in out.text and "not allowed" in out.text, (name, out.text)
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+    inside = run_python("import os; os.makedirs('a/b'); open('a/b/f', 'w').write('ok'); print(open('a/b/f').read())",
+                        FAST)
+    assert inside.ok and inside.text == "ok\n"  # the temp dir itself is writable
+    victim = tmp_path / "keep.txt"
+    victim.write_text("keep")
+    out = run_python(f"import os; os.remove({str(victim)!r})", FAST)
+    assert not out.ok and "os.remove" in out.text and victim.read_text() == "keep"
+
+
+def test_sandbox_refuses_sockets_even_without_a_network_namespace():
+    import socket
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.1)
+    accepted = []
+
+    def serve():
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept())
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    for code in (f"import socket; socket.create_connection(('127.0.0.1', {port}), 2)",
+                 f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=2)"):
+        out = run_python(code, SandboxLimits(cpu_s=2, wall_s=6, isolate_network=False))
+        assert not out.ok and "PermissionError: sandbox: network access" in out.text, out.text
+    thread.join()
+    server.close()
+    assert accepted == []  # no connection reached the server
+
+
+def test_sandbox_guard_cannot_be_stepped_around_by_ctypes():
+    out = run_python("import ctypes; ctypes.CDLL(None).fork()", FAST)
+    assert not out.ok and "calling foreign code" in out.text
+    assert run_python("import numpy; print(int(numpy.arange(4).sum()))", SandboxLimits(memory_mb=512)).text == "6\n"
 
 
 def test_sandbox_wall_limit_kills_forked_children():
@@ -98,7 +179,7 @@ def test_sandbox_wall_limit_kills_forked_children():
             f"        os.execv({sys.executable!r}, ['python', '-c', 'import time; time.sleep(300)', '{marker}'])\n"
             "time.sleep(300)\n")
     start = time.monotonic()
-    out = run_python(code, SandboxLimits(cpu_s=5, wall_s=1.5))
+    out = run_python(code, SandboxLimits(cpu_s=5, wall_s=1.5, allow_processes=True))  # forking allowed: see the kill
     assert not out.ok and "wall-clock limit" in out.text and time.monotonic() - start < 10
     time.sleep(0.3)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
@@ -115,7 +196,7 @@ def test_sandbox_has_no_network():
             "s.connect(('1.1.1.1', 53))\n"
             "print('connected')\n")
     out = run_python(code, FAST)
-    assert not out.ok and "connected" not in out.text and ("unreachable" in out.text or "OSError" in out.text)
+    assert not out.ok and "connected" not in out.text and "sandbox: network access" in out.text
 
 
 def test_python_tool_through_the_registry():
