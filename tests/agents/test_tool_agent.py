@@ -201,3 +201,30 @@ def test_scripted_episode_over_the_sglang_protocol_engine(tok, scripted_model, t
     eos = tok.eos_token_id
     assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] + tok.encode(OBSERVATION) + tok.encode(TURN2) + [eos]
     assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3 and r.termination == "eos"
+
+
+def test_stop_at_call_ends_the_turn_at_the_call(tok, scripted_model):
+    """stop_at_call: the engine's stop_token_ids end the turn at the compact call's "]" (no eos needed); the
+    observation follows at once, mask 0."""
+    engine = EmbeddedEngine(copy.deepcopy(scripted_model), tok)
+    close = tok.encode("]")
+    [plain] = engine.generate([GenerationRequest("s", tok.encode(PROMPT), 30, COLD)])
+    stop = SamplingParams(temperature=0.05, seed=1, stop_token_ids=tuple(close))
+    [cut] = engine.generate([GenerationRequest("s", tok.encode(PROMPT), 30, stop)])
+    assert plain.response_ids.tolist() == tok.encode(TURN1) + [tok.eos_token_id]
+    assert cut.response_ids.tolist() == tok.encode(TURN1) and cut.finish_reason == "stop"
+    assert cut.logprobs.tolist() == pytest.approx(plain.logprobs[:-1].tolist())  # the same tokens, only cut
+
+    agent = build_agent(EmbeddedEngine(copy.deepcopy(scripted_model), tok), tok, params(stop_at_call=True))
+    [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 12, COLD)])
+    agent.close()
+    first = tok.encode(TURN1)
+    assert r.response_ids.tolist()[:len(first) + 4] == first + tok.encode(OBSERVATION)
+    assert r.response_mask.tolist()[:len(first) + 4] == [1] * len(first) + [0] * 4
+    assert r.generation_spans.tolist()[0] == [0, len(first)]
+
+    from rlpipe.agents.tool_agent import ToolSession  # the closing character must be one token of the tokenizer
+
+    with pytest.raises(ValueError, match="is 0 tokens for this tokenizer"):
+        ToolSession(AgentLoopParams(parser="compact", stop_at_call=True), type(
+            "T", (), {"encode": lambda self, text, add_special_tokens=False: []})())

@@ -223,3 +223,26 @@ def test_agent_settings_are_checked_before_anything_runs():
         GenerateParams(agent="gateway", gateway={"program": "x"})
     with pytest.raises(ValidationError, match="is not a file"):
         GenerateParams(agent="gateway", gateway={"script": "/nonexistent/agent.py"})
+
+
+def test_trigger_parser_lookup_tool_and_scorer():
+    from rlpipe.agents.tools import lookup_value
+    from rlpipe.stages.agent_tasks import lookup, lookup_answer, LookupParams
+
+    parser = build_parser("trigger", "lookup")
+    assert [c.call for c in parser.parse("9!", prompt="407?")] == [ToolCall("lookup", {"key": "407"})]
+    assert parser.parse("407", prompt="407?") == []
+    assert build_parser("trigger").parse("!", prompt="7*8=")[0].call == ToolCall("calculator", {"expression": "7*8"})
+    tool = build_tool("lookup", {"secret": 3, "digits": 2})
+    value = tool.run({"key": "407"}).text
+    assert value == lookup_value("407", 3, 2) and len(value) == 2 and value != lookup_value("407", 4, 2)
+    assert parser.observation([tool.run({"key": "407"})]) == f"={value}"
+    assert not tool.run({"key": "4 7"}).ok
+    # the dataset's answers are the tool's values; they are spread over all ten digits (nothing predicts them)
+    table = lookup(LookupParams(size=500), seed=0)
+    keys = [p[:-1] for p in table.column("prompt").to_pylist()]
+    truths = table.column("ground_truth").to_pylist()
+    assert truths == [lookup_value(k) for k in keys] and len(set(truths)) == 10
+    # the answer is the character right after the lookup's observation "=<truth>"; no observation scores 0
+    scores = lookup_answer(["!=77", "!=74", "7", "=38", "99!=7", "!=7;7"], ["7", "7", "7", "3", "7", "7"])
+    assert scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
