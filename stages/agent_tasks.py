@@ -9,16 +9,17 @@ partial credit); calling the ``lookup`` tool (``agent_loop.tools: [lookup]``, sa
 a task whose reward can only rise by learning to call a tool and use its observation
 (``pipelines/agent_tools.yaml``). Rows route to the ``lookup_answer`` scorer below.
 
-Scorer ``lookup_answer``: the answer is the text after the last ``=`` and the
-``len(ground_truth)`` characters that follow it — the ``trigger`` format's observation
-``={value}``, whose width is fixed; its first ``len(ground_truth)`` characters are
-scored like ``digits`` (the fraction of matching positions), so text after the answer
-(the length budget ends the episode) and special tokens (not in the text) neither help
-nor hurt. A response without an observation has no answer and scores 0: the task is
-"look the key up, then report the value", as a task whose answer must be submitted
-through a tool would be. Only the width of the ground truth is used to find the answer;
-the scorer reads text, so a model that writes ``=`` itself makes its own boundary (it
-gains nothing by it: without the lookup the value is a guess).
+Scorer ``lookup_answer``: the answer is the text right after the tool's observation
+``={value}`` (the ``trigger`` format; the lookup is deterministic, so its observation is
+``=`` + the ground truth); its first ``len(ground_truth)`` characters are scored like
+``digits`` (the fraction of matching positions), so text after the answer (the length
+budget ends the episode) and special tokens (not in the text) neither help nor hurt. A
+response without that observation did not look the key up and scores 0: the task is
+"look the key up, then report the value". The scorer reads text, not the mask, so a
+model could write the observation itself — but only by guessing the value, which is
+what the task makes impossible. Through the gateway (``pipelines/agent_gateway.yaml``) the
+default chat template puts ``\nA:`` between the observation and the model's answer; it
+is skipped.
 
 Left out: keys repeated within one dataset are not removed (with 3 digits and 1024 rows
 about 40% repeat); a model could in principle memorize frequent keys over a long run,
@@ -34,6 +35,10 @@ from pydantic import Field
 from rlpipe.agents.tools import lookup_value
 from rlpipe.stages.datasets import DatasetParams, _table, dataset
 from rlpipe.stages.scorers import SCORERS, TextColumn, digits, texts
+
+
+GATEWAY_TURN = "\nA:"
+"""What rlpipe's default chat template puts before an assistant turn (rlpipe.agents.chat)."""
 
 
 class LookupParams(DatasetParams):
@@ -61,10 +66,11 @@ def lookup(params: LookupParams, seed: int) -> pa.Table:
 
 @SCORERS.register("lookup_answer")
 def lookup_answer(responses: TextColumn, ground_truths: TextColumn) -> np.ndarray:
-    """``digits`` on the answer after the last ``={value}`` observation (0 without one)."""
+    """``digits`` on the answer after the lookup's observation ``={ground truth}`` (0 without one)."""
     truths = texts(ground_truths)
     answers = []
     for response, truth in zip(texts(responses), truths):
-        at = response.rfind("=")
-        answers.append("" if at < 0 else response[at + 1 + len(truth):][: len(truth)])
+        at = response.rfind("=" + truth)
+        answer = "" if at < 0 else response[at + 1 + len(truth):]
+        answers.append(answer.removeprefix(GATEWAY_TURN)[: len(truth)])
     return digits(answers, truths)

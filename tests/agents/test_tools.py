@@ -244,5 +244,5 @@ def test_trigger_parser_lookup_tool_and_scorer():
     truths = table.column("ground_truth").to_pylist()
     assert truths == [lookup_value(k) for k in keys] and len(set(truths)) == 10
     # the answer is the character right after the lookup's observation "=<truth>"; no observation scores 0
-    scores = lookup_answer(["!=77", "!=74", "7", "=38", "99!=7", "!=7;7"], ["7", "7", "7", "3", "7", "7"])
-    assert scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    scores = lookup_answer(["!=77", "!=74", "7", "=38", "99!=7", "!=7;7", "!\nT:=7\nA:7"], ["7"] * 3 + ["3"] + ["7"] * 3)
+    assert scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]  # the last: through the gateway's chat template

@@ -83,7 +83,7 @@ def test_gateway_pipeline_runs_end_to_end(tmp_path):
     for batch in rec.batches.values():
         _check_rows(batch)
         prompts = batch.column("prompt_ids").to_pylist()
-        assert {len(p) for p in prompts} == {10}, batch.column("termination").to_pylist()  # the session's templated prompt "\nU:7*8=\nA:"
+        assert {len(p) for p in prompts} == {10}, batch.column("termination").to_pylist()  # the session's templated prompt "\nU:407?\nA:"
         assert max(len(r) for r in batch.column("response_ids").to_pylist()) <= 24  # the session cap
 
 
