@@ -194,13 +194,17 @@ def test_scripted_episode_over_the_sglang_protocol_engine(tok, scripted_model, t
     engine = build_engine("sglang", EngineInputs(copy.deepcopy(scripted_model), tok, impl_params, 0, str(tmp_path),
                                                  name="test sglang"))
     agent = build_agent(engine, tok, params())
+    cutting = build_agent(engine, tok, params(stop_at_call=True))  # stop_token_ids travel over the protocol
     try:
         [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 30, COLD)])
+        [cut] = cutting.generate([GenerationRequest("f", tok.encode(PROMPT), 12, COLD)])
     finally:
+        cutting.close_agent()
         agent.close()
     eos = tok.eos_token_id
     assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] + tok.encode(OBSERVATION) + tok.encode(TURN2) + [eos]
     assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3 and r.termination == "eos"
+    assert cut.response_ids.tolist()[:10] == tok.encode(TURN1) + tok.encode(OBSERVATION)  # the turn ended at "]"
 
 
 def test_stop_at_call_ends_the_turn_at_the_call(tok, scripted_model):
