@@ -10,6 +10,7 @@ import threading
 import time
 from collections import defaultdict
 
+import agents  # the OpenAI Agents SDK (dev dependency `openai-agents`)
 import openai
 import pytest
 
@@ -154,7 +155,6 @@ def test_idle_session_is_ended_and_handed_on(tok, chat_model):
 
 
 def test_openai_agents_sdk_runner_with_a_function_tool(tok, served):
-    agents = pytest.importorskip("agents")  # the OpenAI Agents SDK (dev dependency `openai-agents`)
     gw, tap, _ = served
     agents.set_tracing_disabled(True)  # no trace upload: nothing leaves the machine
     calls = []
