@@ -7,8 +7,9 @@ are refused: the gateway serves a text model); assistant messages may carry
 frameworks (the OpenAI Agents SDK) send back after a tool call.
 
 Replies: when the request lists ``tools`` and the model's text parses as tool calls
-(the gateway's ``tool_parser``, :mod:`rlpipe.agents.parsers`), the reply carries
-them as OpenAI ``tool_calls`` (``finish_reason: "tool_calls"``; the text outside the
+(the gateway's ``tool_parser``, :mod:`rlpipe.agents.parsers`) — every call well formed
+and of a listed tool, else the reply is the plain text — the reply carries them as
+OpenAI ``tool_calls`` (``finish_reason: "tool_calls"``; the text outside the
 calls is the content, or null), so a framework runs its function tools. The
 gateway remembers the model's raw text under each call id it issued: when the
 client sends that assistant message back, the chat template renders the raw text,
@@ -99,11 +100,13 @@ def hermes_calls(calls: Sequence[dict]) -> str:
 
 
 def split_calls(text: str, parser: Any, names: Sequence[str], prompt: str, id_prefix: str) -> tuple[str, list[dict]]:
-    """``(content, OpenAI tool_calls)`` of a reply: calls the parser finds in ``text`` whose tool the request
-    lists; content is the text with those calls removed (``parser.strip``, when the parser has it)."""
-    calls = [p.call for p in parser.parse(text, prompt) if p.call is not None and p.call.name in names]
-    if not calls:
+    """``(content, OpenAI tool_calls)`` of a reply: the calls the parser finds in ``text``, content the text without
+    them (``parser.strip``). Only when every call is well formed and names a tool the request lists: otherwise the
+    reply is the text as it is (the client sees what the model wrote, malformed call included)."""
+    parsed = parser.parse(text, prompt)
+    if not parsed or any(p.call is None or p.call.name not in names for p in parsed):
         return text, []
+    calls = [p.call for p in parsed]
     content = parser.strip(text) if hasattr(parser, "strip") else text
     return content, [{"id": f"{id_prefix}_{k}", "type": "function",
                       "function": {"name": c.name, "arguments": json.dumps(dict(c.arguments))}}

@@ -247,3 +247,34 @@ def test_trigger_parser_lookup_tool_and_scorer():
     # the answer is the character right after the lookup's observation "=<truth>"; no observation scores 0
     scores = lookup_answer(["!=77", "!=74", "7", "=38", "99!=7", "!=7;7", "!\nT:=7\nA:7"], ["7"] * 3 + ["3"] + ["7"] * 3)
     assert scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]  # the last: through the gateway's chat template
+
+
+def test_openai_format_turns_parsed_calls_into_tool_calls_and_back():
+    import json
+
+    from rlpipe.agents.chat import ChatSession
+    from rlpipe.agents.openai_format import FormatError, parse_messages, split_calls
+
+    hermes = build_parser("hermes")
+    text = 'sure <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>'
+    content, calls = split_calls(text, hermes, ["calculator"], "", "call_s_0")
+    assert content == "sure" and [c["id"] for c in calls] == ["call_s_0_0"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"expression": "1+2"}
+    assert split_calls(text, hermes, ["python"], "", "x") == (text, [])  # a tool the request did not list
+    assert split_calls(text + "<tool_call>{bad</tool_call>", hermes, ["calculator"], "", "x")[1] == []
+    # an assistant message sent back with the issued call id renders as the model's raw text
+    session = ChatSession("s", tokenizer=None)
+    session.remember_calls(calls, text)
+    back = parse_messages({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "1+2?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{**calls[0]}]},
+        {"role": "tool", "tool_call_id": "call_s_0_0", "content": "3"}]})
+    assert session.canonical(back) == [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": text},
+                                       {"role": "tool", "content": "3"}]
+    foreign = parse_messages({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "mine", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]})
+    assert session.canonical(foreign)[0]["content"] == '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    for bad, field in (({"messages": [{"role": "robot", "content": "x"}]}, "messages[0] needs a `role`"),
+                       ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": 1}]}]}, "tool_calls")):
+        with pytest.raises(FormatError, match=re.escape(field)):
+            parse_messages(bad)
