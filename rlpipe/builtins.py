@@ -22,6 +22,7 @@ import rlpipe.stages.algos.policy_loss  # noqa: F401
 
 # Data and rewards.
 import rlpipe.stages.datasets  # noqa: F401
+import rlpipe.stages.agent_tasks  # noqa: F401
 import rlpipe.stages.scorers  # noqa: F401
 import rlpipe.stages.code_scorer  # noqa: F401
 

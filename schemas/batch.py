@@ -34,6 +34,8 @@ dp_rank              int32               scalar       data-parallel rank the row
 generation_spans     list<int32>         2 × turns    [start, end) of each model turn in the response, flattened
 num_turns            int32               scalar       model turns of the trajectory (1 for single-turn)
 termination          string              scalar       eos | max_turns | max_length | tool_error | aborted
+agent                string              scalar       prompt column, optional: the agent producing the row's
+                                                      trajectories (registry `agent`); null = generate.params.agent
 ===================  ==================  ===========  ===============================================
 
 Agentic trajectories (:mod:`rlpipe.agents`) interleave model turns and tool
@@ -75,6 +77,7 @@ DP_RANK = "dp_rank"
 GENERATION_SPANS = "generation_spans"
 NUM_TURNS = "num_turns"
 TERMINATION = "termination"
+AGENT = "agent"
 
 # Row statuses.
 STATUS_OK = "ok"
@@ -108,9 +111,11 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     GENERATION_SPANS: pa.list_(pa.int32()),
     NUM_TURNS: pa.int32(),
     TERMINATION: pa.string(),
+    AGENT: pa.string(),
 }
 
-# Columns every prompt batch (the data loader's output) carries.
+# Columns every prompt batch (the data loader's output) carries. A prompt batch may also carry AGENT (when the
+# dataset names an agent per row); the generate stage reads it when present, so it is not required here.
 PROMPT_COLUMNS = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
 
 

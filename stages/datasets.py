@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from rlpipe.errors import ConfigError
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import DATA_SOURCE, GROUND_TRUTH
+from rlpipe.schemas.batch import AGENT, DATA_SOURCE, GROUND_TRUTH
 
 PROMPT = "prompt"
 TEXT_COLUMNS = (PROMPT, GROUND_TRUTH, DATA_SOURCE)
@@ -105,12 +105,16 @@ def validate_params(name: str, params: dict[str, Any] | BaseModel | None) -> Bas
 
 
 def load_dataset(name: str, params: dict[str, Any] | BaseModel | None, seed: int) -> pa.Table:
-    """Validate ``params``, build dataset ``name`` and check it has the three string columns."""
+    """Validate ``params``, build dataset ``name`` and check it has the three string columns (and keep the
+    optional per-row ``agent`` column when it returns one)."""
     table = dataset_spec(name).fn(validate_params(name, params), seed)
     missing = [c for c in TEXT_COLUMNS if c not in table.column_names]
     if missing:
         raise DatasetError(f"dataset {name!r} returned no column(s) {missing}; it must return {list(TEXT_COLUMNS)}")
+    agents = table.column(AGENT).cast(pa.string()) if AGENT in table.column_names else None
     table = table.select(list(TEXT_COLUMNS)).cast(TEXT_SCHEMA)
+    if agents is not None:
+        table = table.append_column(AGENT, agents)
     for column in TEXT_COLUMNS:
         if table.column(column).null_count:
             raise DatasetError(f"dataset {name!r} has null values in column {column!r}; fill or drop those rows")
@@ -185,6 +189,9 @@ class FileParams(DatasetParams):
     """Format applied to every prompt, e.g. "{prompt}\\nPut the final answer after ####."."""
     limit: int | None = Field(None, ge=1)
     """Keep only the first `limit` rows."""
+    agent_key: str | None = None
+    """Field holding each row's agent (registry `agent`: the per-sample `agent` column; a null or missing value
+    uses generate.params.agent); None = no such column, every row uses generate.params.agent."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -225,7 +232,11 @@ def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
         table = table.slice(0, params.limit)
     prompts = [p if p is None else params.prompt_template.replace("{prompt}", p) for p in _text(table, params.prompt_key)]
     sources = params.data_source or _text(table, params.data_source_key)
-    return _table(prompts, _text(table, params.answer_key), sources)
+    out = _table(prompts, _text(table, params.answer_key), sources)
+    if params.agent_key is not None:
+        agents = _text(table, params.agent_key) if params.agent_key in table.column_names else [None] * out.num_rows
+        out = out.append_column(AGENT, pa.array(agents, pa.string()))
+    return out
 
 
 def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:

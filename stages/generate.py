@@ -18,6 +18,7 @@ without the engine call; the async modes' rollout service
 (:mod:`rlpipe.engine.state.rollout_service`) uses them, so its rows equal this stage's.
 
 Agents: ``params.agent`` names how a trajectory is produced (registry ``agent``,
+per row overridable by the prompt batch's optional ``agent`` column among ``params.agents``,
 :mod:`rlpipe.agents`): ``single_turn`` (one generation, the default),
 ``tool_agent`` (multi-turn tool calls, settings under ``params.agent_loop``) or
 ``gateway`` (a black-box agent program behind an OpenAI-compatible gateway,
@@ -48,6 +49,7 @@ from rlpipe.inference.vllm_server import VLLMParams
 from rlpipe.errors import BatchError
 from rlpipe.jagged import from_flat, offsets_and_values
 from rlpipe.schemas.batch import (
+    AGENT,
     DATA_SOURCE,
     GENERATION_SPANS,
     GROUND_TRUTH,
@@ -114,6 +116,9 @@ class GenerateParams(StageParams):
     """Settings of the `tool_agent`: tools, call format, turn and observation limits."""
     gateway: GatewayAgentParams = Field(default_factory=GatewayAgentParams)
     """Settings of the `gateway` agent: the agent program, session timeout and cap."""
+    agents: list[str] = Field(default_factory=list)
+    """More agents that rows may name in their `agent` column (the per-sample choice; a row without one uses
+    `agent`). Every rollout replica serves `agent` and these, with the settings above."""
 
     @field_validator("agent")
     @classmethod
@@ -122,6 +127,16 @@ class GenerateParams(StageParams):
 
         if value not in AGENTS:
             raise ValueError(f"unknown agent {value!r}; known: {', '.join(AGENTS.names())}")
+        return value
+
+    @field_validator("agents")
+    @classmethod
+    def _known_agents(cls, value: list[str]) -> list[str]:
+        from rlpipe.agents.loop import AGENTS
+
+        unknown = sorted(set(value) - set(AGENTS.names()))
+        if unknown:
+            raise ValueError(f"unknown agent(s) {unknown} in agents; known: {', '.join(AGENTS.names())}")
         return value
 
 
@@ -180,7 +195,7 @@ def rollout_engine(worker: Any, params: GenerateParams) -> tuple[Any, bool]:
     from rlpipe.agents.loop import AgentEngine, build_agent
 
     engine = worker.engine
-    if params.agent == "single_turn" or isinstance(engine, AgentEngine):
+    if (params.agent == "single_turn" and not getattr(params, "agents", ())) or isinstance(engine, AgentEngine):
         return engine, False
     return build_agent(engine, worker.tokenizer, params), True
 
@@ -238,7 +253,28 @@ def group_requests(
         GenerationRequest(rid, prompts[row], max_tokens=int(budget), sampling=sampling, ready_at=float(ready))
         for rid, row, budget, ready in zip(ids, rows.tolist(), budgets, ready_at)
     ]
+    agents = row_agents(batch, params)
+    if agents is not None:  # the per-sample choice travels with each request
+        from rlpipe.agents.loop import AgentRequest
+
+        requests = [AgentRequest(**{f: getattr(r, f) for f in r.__dataclass_fields__}, agent=agents[row])
+                    for r, row in zip(requests, rows.tolist())]
     return rows, sample_index, requests
+
+
+def row_agents(batch: pa.Table, params) -> list[str] | None:
+    """Each prompt row's agent from its `agent` column (null: ``params.agent``); None when the batch has none.
+    Raises BatchError naming a row's agent that the engine does not serve."""
+    if AGENT not in batch.column_names:
+        return None
+    default = getattr(params, "agent", "single_turn")
+    served = {default, *getattr(params, "agents", ())}
+    agents = [a or default for a in batch.column(AGENT).to_pylist()]
+    unserved = sorted(set(agents) - served)
+    if unserved:
+        raise BatchError(f"rows name agent(s) {unserved} in their `agent` column, which generate does not serve "
+                         f"({', '.join(sorted(served))}); add them to generate.params.agents")
+    return agents
 
 
 def trajectory_table(

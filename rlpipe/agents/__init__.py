@@ -4,5 +4,7 @@
   (an agent *is* a RolloutEngine over the replica's engine) and the ``agent`` registry;
 - :mod:`rlpipe.agents.tool_agent`: ``tool_agent``, the multi-turn tool-calling loop;
 - :mod:`rlpipe.agents.tools`, :mod:`rlpipe.agents.sandbox`, :mod:`rlpipe.agents.parsers`: tools and call formats;
-- :mod:`rlpipe.agents.gateway`: the OpenAI-compatible gateway and the ``gateway`` agent.
+- :mod:`rlpipe.agents.gateway`, :mod:`rlpipe.agents.openai_format`, :mod:`rlpipe.agents.chat`: the
+  OpenAI-compatible gateway (its wire format, its token-level session records);
+  :mod:`rlpipe.agents.gateway_agent`: the ``gateway`` agent running agent programs against it.
 """

@@ -30,6 +30,7 @@ several trajectories, and the last one is the session's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -78,10 +79,33 @@ class ChatSession:
         self.segments: list[Segment] = []
         self.turns = 0
         self.cut = False  # a request hit the session's length cap
+        self.call_text: dict[str, str] = {}  # tool-call id the gateway issued -> the model's raw text of that reply
+        self.last_active = time.monotonic()
 
     @property
     def current(self) -> Segment | None:
         return self.segments[-1] if self.segments else None
+
+    def canonical(self, messages: Sequence[dict]) -> list[dict]:
+        """``{role, content}`` messages as the template renders them: an assistant message carrying tool calls the
+        gateway issued becomes the model's raw text of that reply (so it re-renders token for token); one with
+        calls the gateway never issued gets them appended in hermes form."""
+        from rlpipe.agents.openai_format import hermes_calls
+
+        out = []
+        for m in messages:
+            calls = m.get("tool_calls")
+            if m["role"] == "assistant" and calls:
+                raw = self.call_text.get(calls[0]["id"])
+                out.append({"role": "assistant", "content": raw if raw is not None else m["content"] + hermes_calls(calls)})
+            else:
+                out.append({"role": m["role"], "content": m["content"]})
+        return out
+
+    def remember_calls(self, calls: Sequence[dict], raw_text: str) -> None:
+        """The reply with these OpenAI tool calls was the model's ``raw_text``."""
+        for call in calls:
+            self.call_text[call["id"]] = raw_text
 
     def prompt_for(self, messages: Sequence[dict]) -> np.ndarray:
         """Record the request's messages and return the token ids the engine continues (prompt + response)."""

@@ -12,12 +12,17 @@ from rlpipe.schemas.config import Strict
 class AgentLoopParams(Strict):
     """The multi-turn tool agent (``generate.params.agent: tool_agent``)."""
 
-    tools: list[str] = Field(default_factory=lambda: ["calculator"])
-    """Tools the model may call, by registered name (built-ins: calculator, python, latency)."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator"], min_length=1)
+    """Tools the model may call, by registered name (built-ins: calculator, python, latency, lookup); the first
+    is the default tool of the `compact` and `trigger` formats."""
     tool_settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per-tool settings by tool name, e.g. `{python: {cpu_s: 2, wall_s: 5, memory_mb: 256}}`."""
     parser: str = "hermes"
-    """Tool-call format: `hermes` (`<tool_call>{json}</tool_call>`) or `compact` (`[expr]`, `[tool:text]`)."""
+    """Tool-call format: `hermes` (`<tool_call>{json}</tool_call>`), `compact` (`[expr]`, `[tool:text]`) or
+    `trigger` (`!` calls the default tool with the prompt's operand), see rlpipe.agents.parsers."""
+    stop_at_call: bool = False
+    """End a model turn at the call format's closing character (`]` compact, `!` trigger) as well as at eos,
+    so a call needs no eos after it (the engine's `stop_token_ids`); `hermes` calls always end at eos."""
     max_turns: int = Field(4, ge=1)
     """Most model turns per trajectory; a turn that still calls a tool at this count ends it (`max_turns`)."""
     max_calls_per_turn: int = Field(4, ge=1)
@@ -72,10 +77,18 @@ class GatewayAgentParams(Strict):
     """Cap on a session's tokens after its first prompt; None = the generate stage's max_tokens."""
     workers: int = Field(16, ge=1)
     """Programs running at once (threads)."""
+    tool_parser: str = "hermes"
+    """How the gateway reads tool calls in the model's text when a request lists `tools` (they are returned as
+    OpenAI `tool_calls`): `hermes`, `compact` or `trigger` (see rlpipe.agents.parsers)."""
 
     @model_validator(mode="after")
     def _runnable(self) -> "GatewayAgentParams":
         from pathlib import Path
+
+        from rlpipe.agents.parsers import TOOL_PARSERS
+
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {self.tool_parser!r}; known: {', '.join(TOOL_PARSERS.names())}")
 
         if self.script is not None:
             if not Path(self.script).is_file():

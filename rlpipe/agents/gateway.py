@@ -11,8 +11,8 @@ spans — is recorded. Sessions end explicitly (``POST /v1/sessions/<id>/end`` o
 Endpoints (stdlib :class:`~http.server.ThreadingHTTPServer`, JSON only)::
 
     GET  /v1/models                    the one served model
-    POST /v1/chat/completions          messages, max_tokens | max_completion_tokens, temperature, top_p, seed,
-                                       user | session (the session id); no streaming, n = 1
+    POST /v1/chat/completions          messages, tools, max_tokens | max_completion_tokens, temperature, top_p,
+                                       seed, stream, user | session (the session id); n = 1
     POST /v1/sessions/<id>/end         end a session; returns its summary
     GET  /health
 
@@ -25,10 +25,12 @@ one engine (a stable hash of its id): its prefix stays on one replica (seed 5.3.
 Binds 127.0.0.1 by default; with ``api_key`` set, requests need
 ``Authorization: Bearer <api_key>`` (else 401). Malformed requests get 4xx JSON
 errors; a session over its token cap is cut (``finish_reason: length`` and an
-empty reply), its trajectory kept. Temperature 0 is sent as 1e-5 (the engines
-sample; there is no greedy path). Left out: streaming, ``n > 1``, tool-call
-objects in replies (the model's calls stay in the reply text), other APIs
-(completions, responses, Anthropic messages), idle-session timeouts.
+empty reply), its trajectory kept. With ``idle_timeout_s`` a session idle that
+long is ended as if the client had ended it (``on_session`` gets it). Temperature
+0 is sent as 1e-5 (the engines sample; there is no greedy path). Tool calls in
+OpenAI form (``tools`` in, ``tool_calls`` out, ``tool`` messages back) and
+``stream: true``: :mod:`rlpipe.agents.openai_format`. Left out: ``n > 1``,
+token-by-token streaming, other APIs (completions, responses, Anthropic messages).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol, Sequence
 
 from rlpipe.agents.chat import ChatSession
+from rlpipe.agents.openai_format import FormatError, completion, parse_messages, split_calls, stream_events, tool_names
+from rlpipe.agents.parsers import build_parser
 from rlpipe.errors import RlpipeError
 from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 
@@ -137,8 +141,13 @@ class Gateway:
 
     def __init__(self, backend: Backend, tokenizer: Any, api_key: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, max_session_tokens: int | None = None, default_max_tokens: int = 256,
-                 on_session: Callable[[ChatSession], None] | None = None):
+                 on_session: Callable[[ChatSession], None] | None = None, tool_parser: str = "hermes",
+                 idle_timeout_s: float | None = None):
         self.backend = backend
+        self.tool_parser = tool_parser
+        build_parser(tool_parser)  # an unknown name fails here, listing the known ones
+        self.idle_timeout_s = idle_timeout_s
+        self._reaper_stop = threading.Event()
         self.tokenizer = tokenizer
         self.api_key = api_key
         self.max_session_tokens = max_session_tokens
@@ -164,9 +173,25 @@ class Gateway:
     def start(self) -> "Gateway":
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="rlpipe-gateway")
         self._thread.start()
+        if self.idle_timeout_s is not None:
+            threading.Thread(target=self._reap, daemon=True, name="rlpipe-gateway-reaper").start()
         return self
 
+    def _reap(self) -> None:
+        """End sessions idle for ``idle_timeout_s`` (no request in flight, none for that long): their trajectories
+        go to ``on_session`` like explicitly ended ones, so an agent that never says goodbye is not lost."""
+        period = min(1.0, self.idle_timeout_s / 4)
+        while not self._reaper_stop.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [sid for sid, s in self._sessions.items()
+                        if now - s.last_active > self.idle_timeout_s and not self._locks[sid].locked()]
+            for sid in idle:
+                log.info("gateway: session %s idle for %.1f s; ending it", sid, self.idle_timeout_s)
+                self.end_session(sid)
+
     def close(self) -> None:
+        self._reaper_stop.set()
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join(5)
@@ -214,27 +239,32 @@ class Gateway:
     # -- one chat completion -------------------------------------------------------------
 
     def chat(self, body: Any, session_id: str | None) -> dict:
-        messages = _messages(body)
-        if body.get("stream"):
-            raise GatewayError("stream: true is not supported by the rlpipe gateway; send stream: false")
+        try:
+            messages = parse_messages(body)
+            names = tool_names(body)
+        except FormatError as exc:
+            raise GatewayError(str(exc)) from None
         if body.get("n", 1) != 1:
-            raise GatewayError("n must be 1")
+            raise GatewayError("n must be 1 (one reply per request)")
         session_id = session_id or body.get("session") or body.get("user") or f"anon-{uuid.uuid4().hex}"
         if not isinstance(session_id, str) or not re.fullmatch(r"[\w.:@-]{1,128}", session_id):
             raise GatewayError("a session id is 1-128 characters of letters, digits and _.:@-")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.default_max_tokens
-        temperature, top_p, seed = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("seed", 0)
+        temperature = body.get("temperature") if body.get("temperature") is not None else 1.0
+        top_p = body.get("top_p") if body.get("top_p") is not None else 1.0
+        seed = body.get("seed") if body.get("seed") is not None else 0
         if not (isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(temperature, (int, float))
                 and isinstance(top_p, (int, float)) and 0 < top_p <= 1 and isinstance(seed, int)):
             raise GatewayError("max_tokens must be an integer >= 1, temperature a number, 0 < top_p <= 1, "
                                "seed an integer")
         session, lock = self._session(session_id)
         with lock:
-            prompt = session.prompt_for(messages)
+            session.last_active = time.monotonic()
+            prompt = session.prompt_for(session.canonical(messages))
             budget = session.budget()
             if budget is not None and budget <= 0:
                 session.cut = True
-                return _reply(session, "", "length", 0, len(prompt), [])
+                return self._reply(session, "", [], "length", 0, len(prompt), [])
             request = GenerationRequest(
                 f"{session_id}#{session.turns}", prompt, min(max_tokens, budget or max_tokens),
                 SamplingParams(temperature=max(float(temperature), 1e-5), top_p=float(top_p), seed=seed))
@@ -242,35 +272,30 @@ class Gateway:
                 result = self.backend.complete(session_id, request)
             except EngineError as exc:
                 raise GatewayError(f"the rollout engine refused the request: {exc}", 400) from exc
+            finally:
+                session.last_active = time.monotonic()
             text = session.record(result)
             if budget is not None and len(result.response_ids) >= budget:
                 session.cut = True
-            reason = "length" if result.finish_reason == "length" else "stop"
-            return _reply(session, text, reason, len(result.response_ids), len(prompt), result.versions.tolist())
+            content, calls = text, []
+            if names and result.finish_reason != "length":
+                first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
+                content, calls = split_calls(text, self.parser(names[0]), names, first_user,
+                                             f"call_{session_id}_{session.turns}")
+                session.remember_calls(calls, text)
+            reason = "length" if result.finish_reason == "length" else "tool_calls" if calls else "stop"
+            return self._reply(session, content, calls, reason, len(result.response_ids), len(prompt),
+                               result.versions.tolist())
 
+    def parser(self, default_tool: str):
+        return build_parser(self.tool_parser, default_tool)
 
-def _messages(body: Any) -> list[dict]:
-    if not isinstance(body, dict):
-        raise GatewayError("the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise GatewayError("`messages` must be a non-empty list of {role, content} objects")
-    for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and (m.get("content") is None or isinstance(m.get("content"), str))):
-            raise GatewayError("every message needs a string `role` and a string (or null) `content`")
-    return [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
-
-
-def _reply(session: ChatSession, text: str, reason: str, completion: int, prompt: int, versions: list) -> dict:
-    return {
-        "id": f"chatcmpl-{session.id}-{session.turns}", "object": "chat.completion", "created": int(time.time()),
-        "model": MODEL_NAME,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                     "logprobs": None}],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-        "rlpipe": {"session": session.id, "turn": session.turns, "versions": sorted(set(versions))},
-    }
+    def _reply(self, session: ChatSession, content: str, calls: list, reason: str, completion_tokens: int,
+               prompt_tokens: int, versions: list) -> dict:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        extra = {"rlpipe": {"session": session.id, "turn": session.turns, "versions": sorted(set(versions))}}
+        return completion(MODEL_NAME, f"chatcmpl-{session.id}-{session.turns}", content, calls, reason, usage, extra)
 
 
 def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
@@ -285,6 +310,15 @@ def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _stream(self, reply: dict) -> None:
+            data = stream_events(reply)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Content-Length", str(len(data)))  # the reply is complete: no chunked encoding needed
             self.end_headers()
             self.wfile.write(data)
 
@@ -325,7 +359,10 @@ def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
                         body = json.loads(raw or b"null")
                     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                         raise GatewayError(f"the request body is not valid JSON: {exc}") from None
-                    return self._send(200, gateway.chat(body, session_id))
+                    reply = gateway.chat(body, session_id)
+                    if isinstance(body, dict) and body.get("stream"):
+                        return self._stream(reply)
+                    return self._send(200, reply)
                 m = re.fullmatch(r"/v1/sessions/([^/]+)/end", path)
                 if m:
                     session = gateway.end_session(m.group(1))

@@ -85,6 +85,23 @@ def calculator_client(base_url: str, api_key: str | None, prompt: str, max_turns
 AGENT_PROGRAMS.add("calculator_client", calculator_client)
 
 
+def lookup_client(base_url: str, api_key: str | None, prompt: str) -> None:
+    """The agent_tools task as a black-box OpenAI-client agent: ask; if the reply calls the lookup (a `!`, the
+    `trigger` format), look the prompt's key up and send the observation (`=7`) as a `tool` message; ask again."""
+    parser, lookup = build_parser("trigger", "lookup"), build_tool("lookup")
+    messages = [{"role": "user", "content": prompt}]
+    choice = chat_completion(base_url, api_key, messages)["choices"][0]
+    calls = parser.parse(choice["message"]["content"], prompt)
+    if choice["finish_reason"] == "length" or not calls:
+        return
+    messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                 {"role": "tool", "content": parser.observation([lookup.run(calls[0].call.arguments)])}]
+    chat_completion(base_url, api_key, messages)
+
+
+AGENT_PROGRAMS.add("lookup_client", lookup_client)
+
+
 def run_script(script: str, base_url: str, api_key: str | None, prompt: str, timeout: float) -> None:
     """Run an agent script (fresh interpreter, own process group, killed with its children on timeout)."""
     env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key or "none"}
@@ -112,7 +129,8 @@ class GatewayContext:
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(params.workers, thread_name_prefix="rlpipe-agent-program")
         self.gateway = Gateway(self, tokenizer, api_key=self.api_key, default_max_tokens=max_tokens,
-                               max_session_tokens=params.max_session_tokens or max_tokens).start()
+                               max_session_tokens=params.max_session_tokens or max_tokens,
+                               tool_parser=params.tool_parser).start()
         self.notify: Callable[[], None] = lambda: None
         self.run: Callable[[str, str | None, str], None]
         if params.script is not None:

@@ -63,9 +63,11 @@ class Phase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class AgentRequest(GenerationRequest):
-    """A trajectory request that re-attaches an aborted episode (made by :meth:`AgentResult.resume`)."""
+    """A trajectory request naming its agent (the per-sample ``agent`` column), or re-attaching an aborted
+    episode (made by :meth:`AgentResult.resume`)."""
 
     episode: Any = None
+    agent: str | None = None  # None: the engine's default agent (generate.params.agent)
 
 
 @dataclass
@@ -84,7 +86,7 @@ class AgentResult(GenerationResult):
         if self.episode is None:
             return super().resume(request)
         fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(GenerationRequest)}
-        return AgentRequest(**fields, episode=self.episode)
+        return AgentRequest(**fields, episode=self.episode, agent=getattr(request, "agent", None))
 
     def __getstate__(self):  # an episode (threads, futures) stays in its process
         return {**self.__dict__, "episode": None}
@@ -381,10 +383,52 @@ class AgentEngine(RolloutEngine):
         self.engine.close()
 
 
+class SingleTurnEpisode(Episode):
+    """One generation as an episode: how ``single_turn`` rows run beside other agents in one engine."""
+
+    def start(self) -> None:
+        self.enter(Phase.GENERATING)
+        self.send(dataclasses.replace(self.request, request_id=f"{self.request.request_id}#turn0"))
+
+    def on_generation(self, result: GenerationResult) -> None:
+        self.add_model_tokens(result)
+        self.terminate("eos" if result.finish_reason == "stop" else "max_length")
+
+
+def agent_names(params: Any) -> list[str]:
+    """The agents an engine built for ``params`` serves: ``params.agent`` (the default) and ``params.agents``."""
+    names = [getattr(params, "agent", "single_turn")]
+    return names + [n for n in getattr(params, "agents", ()) if n not in names]
+
+
 def build_agent(engine: RolloutEngine, tokenizer: Any, params: Any) -> RolloutEngine:
-    """``engine`` behind the agent ``params.agent`` names (``single_turn``: the engine itself)."""
-    return AGENTS.get(getattr(params, "agent", "single_turn"))(engine, tokenizer, params)
+    """``engine`` behind the agent ``params.agent`` names (``single_turn``: the engine itself); with
+    ``params.agents`` one agent engine serving all of them, each request by its ``agent`` (default: params.agent)."""
+    names = agent_names(params)
+    if len(names) == 1:
+        return AGENTS.get(names[0])(engine, tokenizer, params)
+    parts = {name: AGENTS.get(name)(engine, tokenizer, params.model_copy(update={"agent": name, "agents": []}))
+             for name in names if name != "single_turn"}
+    default = names[0]
 
+    def make_episode(request: GenerationRequest) -> Episode:
+        name = getattr(request, "agent", None) or default
+        if name == "single_turn":
+            return SingleTurnEpisode(request)
+        if name not in parts:
+            raise EngineError(f"request {request.request_id!r} names agent {name!r}, which this engine does not "
+                              f"serve ({', '.join(names)}); add it to generate.params.agents")
+        return parts[name].make_episode(request)
 
+    def close() -> None:
+        for part in parts.values():
+            part.close_agent()
+
+    routed = AgentEngine(engine, make_episode, on_close=close)
+    for part in parts.values():
+        part._wake = routed._wake  # their tools and gateways wake the engine that steps the episodes
+        if hasattr(part, "gateway"):
+            routed.gateway = part.gateway
+    return routed
 AGENTS.add("single_turn", lambda engine, tokenizer, params: engine)
 

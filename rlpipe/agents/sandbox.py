@@ -1,11 +1,24 @@
 """The ``python`` tool: run model-written code in a sandboxed subprocess.
 
-Each call starts ``python -I`` in a fresh temporary directory with an empty
+Each call starts ``python -I -B`` in a fresh temporary directory with an empty
 environment, in its own process group (``start_new_session``); the child sets
 its ``setrlimit`` limits before it runs the code: CPU seconds (``RLIMIT_CPU``, the kernel
 kills with SIGXCPU/SIGKILL), address space (``RLIMIT_AS``: an allocation past it
 raises MemoryError), file size (``RLIMIT_FSIZE``) and open files. A wall-clock
 limit kills the whole process group (the code and every child it forked).
+
+Before the code runs, the child installs a Python audit hook (PEP 578, see
+``_BOOT``) that raises PermissionError for: opening a file for writing, or
+creating, removing, renaming, linking, chmod-ing a path, *outside its temp dir*;
+creating or using sockets; starting processes (fork, exec, spawn, subprocess,
+system; ``allow_processes`` lifts this); signalling other processes; ctypes
+symbol lookups and foreign calls, and importing _posixsubprocess (they reach the
+OS without audit events); and rebinding a function's code. The code sees the error as a traceback, which
+becomes the observation. This stops what model-written code does by accident or
+naively (a fork bomb, ``open("/etc/x", "w")``, ``urllib.request.urlopen``); it is
+*not* a security boundary against code written to escape: CPython documents
+audit hooks as not suitable for sandboxing (a C extension, or a bug in the
+interpreter, goes around them). Reads are not restricted.
 
 Network: when ``unshare`` can create namespaces (root, or unprivileged user
 namespaces), the code runs in a new user + network + PID namespace
@@ -19,9 +32,10 @@ Outcomes: the code's failure (non-zero exit, a traceback, a limit hit, a
 timeout) is an observation with ``ok=False`` and the reason; a failure to start
 the sandbox at all raises :class:`~rlpipe.agents.tools.ToolInfraError`.
 
-Left out: a filesystem jail (the code runs as this user in its temp dir and can
-read and write what the user can), seccomp filters, GPU isolation, and
-persistent interpreter state between calls (each call is a fresh process).
+Left out: a filesystem jail (no chroot or mount namespace without root: the code
+runs as this user and can *read* what the user can), seccomp filters, GPU
+isolation, and persistent interpreter state between calls (each call is a fresh
+process). For code written to escape, run the tool in a container or VM.
 """
 
 from __future__ import annotations
@@ -54,6 +68,7 @@ class SandboxLimits:
     max_file_mb: int = 16
     max_output_chars: int = 2000
     isolate_network: bool = True
+    allow_processes: bool = False  # let the code fork/exec/spawn (then the wall limit kills the whole group)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,27 +86,79 @@ def network_isolated() -> bool:
     return done.returncode == 0
 
 
-# The child sets its own limits, then runs the code (not preexec_fn: Python documents it as unsafe in
-# threaded processes, and tool calls run on a thread pool).
+# The child sets its own limits and installs the guard, then runs the code (not preexec_fn: Python documents it
+# as unsafe in threaded processes, and tool calls run on a thread pool). The guard is an audit hook (PEP 578):
+# CPython calls it before every audited operation, and a hook cannot be removed once added. It refuses, with a
+# PermissionError naming the rule: opening a file for writing, or creating/removing/renaming/linking/chmod-ing a
+# path, outside the temp dir; sockets; new processes (fork, exec, spawn, subprocess, system) unless allowed;
+# signals to other processes; what would step around the hooks (ctypes symbol lookups and calls, importing
+# _posixsubprocess); and rebinding a function's code (how one would rewrite the guard). Importing ctypes stays
+# allowed: numpy imports it.
 _BOOT = """
-import resource, sys
-cpu, memory, fsize = (int(x) for x in sys.argv[1:4])
-code = sys.argv[4]
+import os, resource, sys
+cpu, memory, fsize, allow_processes = (int(x) for x in sys.argv[1:5])
+code = sys.argv[5]
 del sys.argv[1:]
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-del resource, cpu, memory, fsize
+sys.dont_write_bytecode = True
+
+def _guard(root=os.path.realpath(os.getcwd()) + os.sep, realpath=os.path.realpath, fspath=os.fspath,
+           getpid=os.getpid, sep=os.sep, allow_processes=bool(allow_processes), Error=PermissionError,
+           write_flags=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC,
+           paths={"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
+                  "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
+                  "os.mkfifo": (0,), "os.mknod": (0,), "shutil.rmtree": (0,), "os.chdir": ()},
+           processes=("os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+                      "subprocess.Popen", "os.startfile", "pty.spawn"),
+           modules=("_xxsubinterpreters", "_interpreters"),
+           foreign=("ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
+                    "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at", "ctypes.wstring_at")):
+    def inside(path):
+        if isinstance(path, int):  # a file descriptor the code already holds
+            return True
+        p = realpath(fspath(path))
+        return p + sep == root or p.startswith(root) or p == "/dev/null"
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = any(c in (mode or "") for c in "wax+") if mode is not None else bool(flags & write_flags)
+            if writing and path is not None and not inside(path):
+                raise Error(f"sandbox: writing {path!r} is not allowed: only files under the temp dir {root}")
+        elif event in paths:
+            for i in paths[event]:
+                if args[i] is not None and not inside(args[i]):
+                    raise Error(f"sandbox: {event} on {args[i]!r} is not allowed outside the temp dir {root}")
+        elif event.startswith("socket.") and event != "socket.getservbyname":
+            raise Error(f"sandbox: network access ({event}) is not allowed")
+        elif event in processes and not allow_processes:
+            raise Error(f"sandbox: starting processes ({event}) is not allowed")
+        elif event == "import" and args[0] == "_posixsubprocess" and not allow_processes:  # fork_exec: no audit event
+            raise Error("sandbox: starting processes (import subprocess) is not allowed")
+        elif event in ("os.kill", "os.killpg") and args[0] not in (0, getpid()):
+            raise Error(f"sandbox: signals to other processes ({event}) are not allowed")
+        elif event == "import" and args[0] in modules:
+            raise Error(f"sandbox: importing {args[0]} is not allowed")
+        elif event in foreign:
+            raise Error(f"sandbox: calling foreign code ({event}) is not allowed")
+        elif event == "object.__setattr__" and args[1] == "__code__":
+            raise Error("sandbox: rebinding a function's code is not allowed")
+    return hook
+
+sys.addaudithook(_guard())
+del os, resource, cpu, memory, fsize, allow_processes, _guard
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
 
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolOutput:
     """Run ``code`` under ``limits``; the observation is its stdout+stderr (or why it was stopped)."""
-    command = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20),
-               str(limits.max_file_mb * 2**20), code]
+    command = [sys.executable, "-I", "-B", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20),
+               str(limits.max_file_mb * 2**20), str(int(limits.allow_processes)), code]
     if limits.isolate_network and network_isolated():
         command = [*_UNSHARE, *command]
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")

@@ -45,10 +45,22 @@ class ToolSession:
     def __init__(self, params: AgentLoopParams, tokenizer: Any, notify=lambda: None):
         self.params = params
         self.tokenizer = tokenizer
-        self.parser = build_parser(params.parser)
+        self.parser = build_parser(params.parser, params.tools[0])
         self.tools: dict[str, Tool] = {name: build_tool(name, params.tool_settings.get(name)) for name in params.tools}
         self.pool = ThreadPoolExecutor(params.tool_workers, thread_name_prefix="rlpipe-tool")
         self.notify = notify
+        self.stop_ids = self._stop_ids()
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        """With ``stop_at_call``: the token of the parser's closing character, if it is one token."""
+        stop = getattr(self.parser, "STOP", None)
+        if not self.params.stop_at_call or stop is None:
+            return ()
+        ids = self.tokenizer.encode(stop, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"agent_loop.stop_at_call: the call's closing {stop!r} is {len(ids)} tokens for this "
+                             "tokenizer, not one; add it to the tokenizer's characters or set stop_at_call: false")
+        return tuple(ids)
 
     def run_call(self, parsed: ParsedCall) -> ToolOutput:
         if parsed.call is None:
@@ -80,14 +92,23 @@ class ToolEpisode(Episode):
         self.deadline = 0.0
         self.tool_calls = 0
         self.tool_errors = 0
+        self.prompt_text: str | None = None
 
     def start(self) -> None:
         self.enter(Phase.GENERATING)
         self.send(self._turn_request())
 
+    def _prompt_text(self) -> str:
+        """The prompt as text, for parsers that read it (``trigger``); decoded once, never put back into tokens."""
+        if self.prompt_text is None:
+            self.prompt_text = self.session.tokenizer.decode(list(self.request.prompt_ids), skip_special_tokens=True)
+        return self.prompt_text
+
     def _turn_request(self) -> GenerationRequest:
         """The engine request of the next model turn: the prompt followed by the response so far, token for token."""
         r = self.request
+        if self.session.stop_ids:
+            r = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, stop_token_ids=self.session.stop_ids))
         if not self.ids:  # first turn: the request itself (a resumed request keeps its partial response)
             return dataclasses.replace(r, request_id=f"{r.request_id}#turn0")
         prompt = np.concatenate([np.asarray(r.prompt_ids, np.int32), np.asarray(self.ids, np.int32)])
@@ -99,7 +120,7 @@ class ToolEpisode(Episode):
         if result.finish_reason == "length" or self.budget() <= 0:
             return self.terminate("max_length")
         text = self.session.tokenizer.decode(result.response_ids.tolist(), skip_special_tokens=True)
-        parsed = self.session.parser.parse(text)
+        parsed = self.session.parser.parse(text, self._prompt_text())
         if not parsed:
             return self.terminate("eos")
         if self.turns >= self.session.params.max_turns:

@@ -8,9 +8,10 @@ tool process vanished) raises :class:`ToolInfraError`; the agent loop then ends
 the trajectory with termination ``tool_error`` and status ``failed``.
 
 Built-ins: ``calculator`` (arithmetic through :mod:`ast`, never ``eval``),
-``python`` (:mod:`rlpipe.agents.sandbox`: a sandboxed subprocess) and
+``python`` (:mod:`rlpipe.agents.sandbox`: a sandboxed subprocess),
 ``latency`` (sleeps a seeded heavy-tailed time, for benchmarks of long-tail tool
-latency). Plugins register more with ``TOOLS.add(name, factory)`` from an
+latency) and ``lookup`` (a secret keyed table: the answer of the ``lookup``
+dataset, which a model can only get by calling it). Plugins register more with ``TOOLS.add(name, factory)`` from an
 ``rlpipe.plugins`` entry point; a factory takes the tool's settings (a dict from
 ``agent_loop.tool_settings``) and returns a Tool.
 """
@@ -159,6 +160,35 @@ class LatencyTool:
 
 
 TOOLS.add("latency", lambda settings: LatencyTool(**settings))
+
+
+# -- lookup (the agent_tools task) ---------------------------------------------------
+
+def lookup_value(key: str, secret: int = 0, digits: int = 1) -> str:
+    """The value the secret table holds for ``key``: ``digits`` decimal digits of a keyed hash of it.
+
+    A keyed hash, not a formula: nothing in ``key`` predicts its value, so a model that
+    answers without calling :class:`LookupTool` is right by chance only (10**-digits)."""
+    digest = hashlib.blake2b(key.encode(), key=f"rlpipe-lookup-{secret}".encode(), digest_size=8).digest()
+    return str(int.from_bytes(digest, "little") % 10**digits).zfill(digits)
+
+
+@dataclass
+class LookupTool:
+    """``lookup(key)``: the secret table's value for ``key`` (see :func:`lookup_value`)."""
+
+    secret: int = 0
+    digits: int = 1
+    name: str = "lookup"
+
+    def run(self, arguments: Mapping[str, Any]) -> ToolOutput:
+        key = arguments.get("key")
+        if not isinstance(key, str) or not key.isalnum():
+            return ToolOutput("error: lookup needs a string argument `key` of letters and digits", ok=False)
+        return ToolOutput(lookup_value(key, self.secret, self.digits))
+
+
+TOOLS.add("lookup", lambda settings: LookupTool(**settings))
 
 
 def _python(settings: Mapping[str, Any]) -> Tool:

@@ -47,6 +47,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int = 0
     ignore_eos: bool = False  # generate exactly max_tokens (load generation, benchmarks)
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the response like eos (kept in it, "stop")
 
 
 @dataclass(frozen=True)

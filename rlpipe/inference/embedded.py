@@ -70,6 +70,7 @@ class _Cohort:
     top_k: torch.Tensor
     top_p: torch.Tensor
     ignore_eos: torch.Tensor  # [B] bool
+    stop_extra: torch.Tensor  # [B, S] each row's stop_token_ids besides eos, padded with -1
     tokens: list[torch.Tensor] = field(default_factory=list)  # per step: [B] sampled ids
     logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [B]
 
@@ -105,8 +106,8 @@ class EmbeddedEngine(RolloutEngine):
         for request in requests:
             if len(request.response_ids) >= request.max_tokens:
                 self._done.append(make_result(request, (), (), self.version, "length"))
-            elif (len(request.response_ids) and int(request.response_ids[-1]) in self.stop_ids.tolist()
-                  and not request.sampling.ignore_eos):  # with ignore_eos an eos inside the partial is just a token
+            elif (len(request.response_ids) and not request.sampling.ignore_eos
+                  and int(request.response_ids[-1]) in (*self.stop_ids.tolist(), *request.sampling.stop_token_ids)):  # with ignore_eos an eos inside the partial is just a token
                 self._done.append(make_result(request, (), (), self.version, "stop"))
             else:
                 self._pending.append(request)
@@ -252,6 +253,7 @@ class EmbeddedEngine(RolloutEngine):
             top_k=torch.tensor([r.sampling.top_k for r in requests]),
             top_p=torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32),
             ignore_eos=torch.tensor([r.sampling.ignore_eos for r in requests], dtype=torch.bool),
+            stop_extra=_padded_stops([r.sampling.stop_token_ids for r in requests]),
         )
         return cohort, logits
 
@@ -270,7 +272,7 @@ class EmbeddedEngine(RolloutEngine):
         token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, u)
         c.tokens.append(token)
         c.logprobs.append(logprob)
-        stop = torch.isin(token, self.stop_ids) & ~c.ignore_eos
+        stop = (torch.isin(token, self.stop_ids) | (token[:, None] == c.stop_extra).any(1)) & ~c.ignore_eos
         done = stop | (c.budget <= len(c.tokens))
         if not done.any():
             return
@@ -279,6 +281,15 @@ class EmbeddedEngine(RolloutEngine):
             reason: FinishReason = "stop" if stop[row] else "length"
             self._done.append(make_result(c.requests[row], tokens[row], logprobs[row], self.version, reason))
         _retain(c, (~done).nonzero().flatten())
+
+
+def _padded_stops(stops: list[tuple[int, ...]]) -> torch.Tensor:
+    """[B, S] stop ids per row, -1 where a row has fewer (never a sampled id); S >= 1 keeps shapes simple."""
+    width = max((len(s) for s in stops), default=0) or 1
+    out = torch.full((len(stops), width), -1, dtype=torch.long)
+    for i, s in enumerate(stops):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
 
 
 def _stacked(c: _Cohort) -> tuple[np.ndarray, np.ndarray]:
@@ -294,7 +305,7 @@ def _retain(c: _Cohort, keep: torch.Tensor) -> None:
         return
     c.cache.batch_select_indices(keep)
     for name in ("attention_mask", "next_position", "prefix_len", "budget", "keys", "temperature", "top_k", "top_p",
-                 "ignore_eos"):
+                 "ignore_eos", "stop_extra"):
         setattr(c, name, getattr(c, name)[keep])
     c.tokens = [t[keep] for t in c.tokens]
     c.logprobs = [lp[keep] for lp in c.logprobs]

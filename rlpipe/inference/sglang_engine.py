@@ -188,6 +188,8 @@ class SGLangEngine(RolloutEngine):
         s, resumed = r.sampling, len(r.response_ids)
         sampling = {"max_new_tokens": r.max_tokens - resumed, "temperature": s.temperature, "top_p": s.top_p,
                     "top_k": s.top_k if s.top_k > 0 else -1, "ignore_eos": s.ignore_eos, "sampling_seed": s.seed}
+        if s.stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in s.stop_token_ids]
         if resumed:
             sampling["custom_params"] = {sglang_wire.RESUME_KEY: resumed}  # real SGLang ignores it (no custom logit processor)
         body = {"rid": r.request_id, "input_ids": [int(t) for t in (*r.prompt_ids, *r.response_ids)],

@@ -11,7 +11,7 @@ itself cannot.
 
 Endpoints and fields (request and response shapes as in SGLang's
 ``http_server.py`` / ``io_struct.py``): ``/generate`` (``input_ids``, ``rid``,
-``sampling_params`` {max_new_tokens, temperature, top_p, top_k, ignore_eos,
+``sampling_params`` {max_new_tokens, temperature, top_p, top_k, ignore_eos, stop_token_ids,
 sampling_seed, custom_params}, ``return_logprob``; ``meta_info`` with
 ``output_token_logprobs`` as [logprob, token_id, text], ``finish_reason``,
 ``weight_version``, ``weight_versions`` spans), ``/abort_request``,
@@ -58,7 +58,8 @@ from rlpipe.inference.embedded import EmbeddedEngine
 log = logging.getLogger(__name__)
 
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (-1 means the same)
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "sampling_seed", "custom_params"}
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "ignore_eos", "sampling_seed", "custom_params",
+                  "stop_token_ids"}
 _SAMPLING_DEFAULTS = {  # accepted only at SGLang's default value: the embedded engine has no such knob
     "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
     "n": 1, "stop": None, "stop_token_ids": None, "stop_regex": None, "skip_special_tokens": True,
@@ -248,7 +249,8 @@ class SGLangFace:
         sampling = SamplingParams(
             temperature=temperature, top_p=float(sp.get("top_p", 1.0)),
             top_k=0 if top_k == -1 or top_k >= TOP_K_ALL else top_k,
-            seed=int(sp.get("sampling_seed") or 0), ignore_eos=bool(sp.get("ignore_eos", False)))
+            seed=int(sp.get("sampling_seed") or 0), ignore_eos=bool(sp.get("ignore_eos", False)),
+            stop_token_ids=tuple(int(t) for t in sp.get("stop_token_ids") or ()))
         prompt, partial = ids[: len(ids) - resume], ids[len(ids) - resume:]
         request = GenerationRequest(
             request_id=str(body.get("rid") or uuid.uuid4().hex), prompt_ids=np.asarray(prompt, np.int64),

@@ -146,7 +146,7 @@ class VLLMEngine(RolloutEngine):
             for request in requests:
                 if len(request.response_ids) >= request.max_tokens:
                     self._done.append(make_result(request, (), (), self.version, "length"))
-                elif len(request.response_ids) and int(request.response_ids[-1]) == self.eos_id \
+                elif len(request.response_ids) and int(request.response_ids[-1]) in (self.eos_id, *request.sampling.stop_token_ids) \
                         and not request.sampling.ignore_eos:
                     self._done.append(make_result(request, (), (), self.version, "stop"))
                 elif request.ready_at > time.monotonic():
@@ -255,7 +255,7 @@ class VLLMEngine(RolloutEngine):
             "ignore_eos": bool(s.ignore_eos), "logprobs": 0, "detokenize": False,
         }
         if not s.ignore_eos:
-            sampling_params["stop_token_ids"] = [self.eos_id]
+            sampling_params["stop_token_ids"] = [self.eos_id, *(int(t) for t in s.stop_token_ids)]
         token_ids = [int(t) for t in r.prompt_ids] + [int(t) for t in r.response_ids]
         return {"request_id": f"{r.request_id}-{uuid.uuid4().hex[:8]}", "token_ids": token_ids,
                 "sampling_params": sampling_params}

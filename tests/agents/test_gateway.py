@@ -77,7 +77,11 @@ def test_models_auth_and_malformed_requests(gateway):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     assert post(f"{base}/chat/completions", {"messages": []})[0] == 400
     assert post(f"{base}/chat/completions", {"messages": [{"role": 1}]})[0] == 400
-    assert post(f"{base}/chat/completions", {**ok, "stream": True})[0] == 400
+    assert post(f"{base}/chat/completions", {**ok, "n": 2})[0] == 400
+    status, body = post(f"{base}/chat/completions", {**ok, "tools": [{"type": "function"}]})
+    assert status == 400 and "`tools` must be a list" in body["error"]["message"]
+    status, body = post(f"{base}/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]})
+    assert status == 400 and "messages[0].content" in body["error"]["message"]
     assert post(f"{base}/nope", ok)[0] == 404
     status, body = post(f"{base}/chat/completions", ok)
     assert status == 200 and body["choices"][0]["message"]["content"] == TURN1

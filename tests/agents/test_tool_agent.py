@@ -194,10 +194,41 @@ def test_scripted_episode_over_the_sglang_protocol_engine(tok, scripted_model, t
     engine = build_engine("sglang", EngineInputs(copy.deepcopy(scripted_model), tok, impl_params, 0, str(tmp_path),
                                                  name="test sglang"))
     agent = build_agent(engine, tok, params())
+    cutting = build_agent(engine, tok, params(stop_at_call=True))  # stop_token_ids travel over the protocol
     try:
         [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 30, COLD)])
+        [cut] = cutting.generate([GenerationRequest("f", tok.encode(PROMPT), 12, COLD)])
     finally:
+        cutting.close_agent()
         agent.close()
     eos = tok.eos_token_id
     assert r.response_ids.tolist() == tok.encode(TURN1) + [eos] + tok.encode(OBSERVATION) + tok.encode(TURN2) + [eos]
     assert r.response_mask.tolist() == [1] * 7 + [0] * 4 + [1] * 3 and r.termination == "eos"
+    assert cut.response_ids.tolist()[:10] == tok.encode(TURN1) + tok.encode(OBSERVATION)  # the turn ended at "]"
+
+
+def test_stop_at_call_ends_the_turn_at_the_call(tok, scripted_model):
+    """stop_at_call: the engine's stop_token_ids end the turn at the compact call's "]" (no eos needed); the
+    observation follows at once, mask 0."""
+    engine = EmbeddedEngine(copy.deepcopy(scripted_model), tok)
+    close = tok.encode("]")
+    [plain] = engine.generate([GenerationRequest("s", tok.encode(PROMPT), 30, COLD)])
+    stop = SamplingParams(temperature=0.05, seed=1, stop_token_ids=tuple(close))
+    [cut] = engine.generate([GenerationRequest("s", tok.encode(PROMPT), 30, stop)])
+    assert plain.response_ids.tolist() == tok.encode(TURN1) + [tok.eos_token_id]
+    assert cut.response_ids.tolist() == tok.encode(TURN1) and cut.finish_reason == "stop"
+    assert cut.logprobs.tolist() == pytest.approx(plain.logprobs[:-1].tolist())  # the same tokens, only cut
+
+    agent = build_agent(EmbeddedEngine(copy.deepcopy(scripted_model), tok), tok, params(stop_at_call=True))
+    [r] = agent.generate([GenerationRequest("e", tok.encode(PROMPT), 12, COLD)])
+    agent.close()
+    first = tok.encode(TURN1)
+    assert r.response_ids.tolist()[:len(first) + 4] == first + tok.encode(OBSERVATION)
+    assert r.response_mask.tolist()[:len(first) + 4] == [1] * len(first) + [0] * 4
+    assert r.generation_spans.tolist()[0] == [0, len(first)]
+
+    from rlpipe.agents.tool_agent import ToolSession  # the closing character must be one token of the tokenizer
+
+    with pytest.raises(ValueError, match="is 0 tokens for this tokenizer"):
+        ToolSession(AgentLoopParams(parser="compact", stop_at_call=True), type(
+            "T", (), {"encode": lambda self, text, add_special_tokens=False: []})())

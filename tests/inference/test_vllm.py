@@ -223,6 +223,22 @@ def test_the_rollout_service_drives_the_engine_across_a_push(engine):
     assert any(0 < row.count(v) < 1500 for row in versions)
 
 
+def test_stop_token_ids_end_a_response_like_eos(engine):
+    """SamplingParams.stop_token_ids (the agents' stop_at_call) reach vLLM: the same seeded response is cut right
+    after the first stop token, which it keeps, with finish reason stop."""
+    plain = engine.generate(requests(max_tokens=12))
+    victim = next(i for i, r in enumerate(plain) if len(r.response_ids) >= 4)
+    stop_id = int(plain[victim].response_ids[2])
+    cut = engine.generate(requests(max_tokens=12, stop_token_ids=(stop_id,)))
+    for a, b in zip(plain, cut):
+        ids = a.response_ids.tolist()
+        end = ids.index(stop_id) + 1 if stop_id in ids else len(ids)
+        assert b.response_ids.tolist() == ids[:end]
+        if stop_id in ids:
+            assert b.finish_reason == "stop"
+    assert len(cut[victim].response_ids) <= 3
+
+
 def test_a_killed_server_is_reported_and_close_leaves_no_process(engine):
     """Runs last: it kills the module's server."""
     import psutil
@@ -252,3 +268,4 @@ def test_a_server_that_cannot_start_names_its_log(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(EngineError, match=r"broken: the vLLM server .* exited .*broken-server\.log"):
         VLLMServer(tmp_path / "empty", tmp_path, VLLMParams(startup_timeout_s=300), name="broken")
+

@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_builtins_registered_with_params_models():
-    for name in ("digits", "jsonl", "parquet", "gsm8k_sample", "arithmetic"):
+    for name in ("digits", "jsonl", "parquet", "gsm8k_sample", "arithmetic", "lookup"):
         spec = dataset_spec(name)
         assert isinstance(spec, DatasetSpec) and spec.name == name
     assert dataset_spec("digits").params_model is DigitsParams
-    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: arithmetic, digits, gsm8k_sample, jsonl, parquet"):
+    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: arithmetic, digits, gsm8k_sample, jsonl, lookup, parquet"):
         dataset_spec("nope")
 
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from rlpipe.errors import ConfigError
 from rlpipe.jagged import from_flat
-from rlpipe.schemas.batch import DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
+from rlpipe.schemas.batch import AGENT, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
 from rlpipe.schemas.config import DataConfig
 from rlpipe.stages.datasets import load_dataset
 
@@ -53,6 +53,8 @@ class PromptLoader:
         self.prompt_ids = from_flat(flat, lens, pa.int32())
         self.ground_truth = table.column("ground_truth").combine_chunks()
         self.data_source = table.column("data_source").combine_chunks()
+        # a dataset naming an agent per row (the per-sample `agent` column) passes it on; others have none
+        self.agent = table.column(AGENT).combine_chunks() if AGENT in table.column_names else None
         self.size = table.num_rows
         self.epoch = 0
         self.cursor = 0
@@ -82,13 +84,16 @@ class PromptLoader:
         count = self.data.prompts_per_step if count is None else count
         rows = pa.array(self.next_indices(count))
         uids = [f"{uid_prefix}{step}-{i}" for i in range(count)]
-        return pa.table({
+        columns = {
             UID: pa.array(uids, pa.string()),
             DATA_SOURCE: self.data_source.take(rows),
             GROUND_TRUTH: self.ground_truth.take(rows),
             PROMPT_IDS: self.prompt_ids.take(rows),
             PROMPT_STEP: pa.array(np.full(count, step, dtype=np.int32)),
-        })
+        }
+        if self.agent is not None:
+            columns[AGENT] = self.agent.take(rows)
+        return pa.table(columns)
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}
