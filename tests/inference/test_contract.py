@@ -24,7 +24,7 @@ from rlpipe.stage import stage_registry
 
 TOK = build_tokenizer(TokenizerConfig(chars="0123456789=+abc"))
 # head_dim 64: vLLM's CPU attention rejects smaller heads
-ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=128)
+ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=1024)
 ENGINES = ["embedded", "sglang", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
@@ -101,7 +101,9 @@ def pacer(engine: RolloutEngine, long: int):
 
 
 def test_a_push_mid_generation_aborts_loads_and_resumes_with_both_versions(engine: RolloutEngine):
-    long = 120
+    # vLLM decodes 120 tokens of this model in ~0.1 s on an idle machine, about the latency of starting a probe and
+    # an abort: its responses are long enough that the abort lands mid-response whatever the machine's speed
+    long = 1000 if type(engine).__name__ == "VLLMEngine" else 120
     reqs = requests("push", n=4, max_tokens=long, ignore_eos=True)
     before = engine.version
     wait_until_mid_response = pacer(engine, long)
