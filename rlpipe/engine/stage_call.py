@@ -3,14 +3,17 @@
 ``run_stage`` looks an implementation up by (kind, impl), validates its params and
 runs it, turning any failure into a :class:`~rlpipe.errors.StageError` that names
 kind, impl and step; ``apply_result`` checks a result against the node's declared
-writes and assembles the next table; ``shard_rows`` routes rows to a role's workers.
+writes and assembles the next table; ``run_chain`` runs consecutive stateless stages in
+one call (a fused task); ``shard_rows`` routes rows to a role's workers.
 Kept apart from the execution backends so that worker state (the rollout feeder)
 can run stages without importing them: imports run execution → state → this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -79,3 +82,38 @@ def apply_result(node: PlannedNode, table: pa.Table, result: StageResult) -> pa.
 def as_array(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     """One contiguous array from an array or a chunked array."""
     return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainedStage:
+    """What a fused task needs of one node: the stage to call and its write contract."""
+
+    kind: str
+    impl: str
+    params: dict
+    writes: dict[str, pa.DataType]
+
+
+@dataclasses.dataclass
+class ChainStep:
+    """One stage of a fused chain: its result, or the error that ended the chain; when it ran."""
+
+    result: StageResult | None
+    error: BaseException | None
+    start: float
+    duration_s: float
+
+
+def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list) -> list[ChainStep]:
+    """Run ``stages`` in order, each on the table the previous one made; stops at the first error."""
+    steps: list[ChainStep] = []
+    for stage, ctx in zip(stages, ctxs):
+        start = time.time()
+        try:
+            result = run_stage(stage.kind, stage.impl, stage.params, batch, ctx)
+            batch = apply_result(stage, batch, result)
+        except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
+            steps.append(ChainStep(None, exc, start, time.time() - start))
+            break
+        steps.append(ChainStep(result, None, start, time.time() - start))
+    return steps
