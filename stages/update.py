@@ -42,6 +42,14 @@ def _reads(params: PPOUpdateParams) -> dict:
     return cols(*names)
 
 
+def _rows(batch: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``batch.take(rows)``, or ``batch`` itself when ``rows`` is all of it in order (one mini- and one
+    micro-batch per step is the common case; the take copied every column for nothing)."""
+    if len(rows) == batch.num_rows and (len(rows) == 0 or (rows[0] == 0 and np.all(np.diff(rows) == 1))):
+        return batch
+    return batch.take(pa.array(rows))
+
+
 def _padded(batch: pa.Table, name: str | None, width: int, device: torch.device) -> torch.Tensor | None:
     if name is None or name not in batch.column_names:
         return None
@@ -57,7 +65,7 @@ def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageRes
     history: dict[str, list[float]] = {}
     for _ in range(trainer.ppo_epochs):
         for mini_rows in np.array_split(np.arange(batch.num_rows), num_minis):
-            mini = batch.take(pa.array(mini_rows))
+            mini = _rows(batch, mini_rows)
             stats = _local_update(state, mini, params, temperature, trainer.micro_batch_size)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -84,7 +92,7 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
     micros = micro_batches(mini.num_rows, micro_size)
     keep_in_step(state, len(micros), backward=True)
     for rows in micros:
-        micro = mini.take(pa.array(rows))
+        micro = _rows(mini, rows)
         logp, entropy, seq = model_logprobs(
             state.model, micro, state.pad_token_id, temperature, with_entropy=params.entropy_coeff != 0
         )
