@@ -117,16 +117,25 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int) -> dict:
     return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths}
 
 
-def one_run(variant: str, workdir: Path, steps: int, threads: int) -> dict:
-    """A fresh process per run (no warm caches carried between variants)."""
+def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None) -> dict:
+    """A fresh process per run (no warm caches carried between variants).
+
+    ``<variant>@before`` runs the rlpipe checkout at ``compare_root`` instead of this one (its own
+    ``benchmarks/vs_trl.py``, imported first through PYTHONPATH): a before/after table in one
+    interleaved measurement."""
     out = workdir / f"result-{variant}.json"
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir}/mlflow-{variant}.db",
                MLFLOW_DISABLE_TELEMETRY="true", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    if variant == "trl":
+    name, _, before = variant.partition("@")
+    script = Path(__file__).resolve()
+    if before:
+        script = compare_root / "benchmarks/vs_trl.py"
+        env["PYTHONPATH"] = str(compare_root)
+    if name == "trl":
         cmd = [str(TRL_PY), str(ROOT / "benchmarks/vs_trl_trl.py"), "--workdir", str(workdir), "--steps", str(steps),
                "--out", str(out), "--threads", str(threads)]
     else:
-        cmd = [sys.executable, __file__, "--child", variant, "--workdir", str(workdir), "--steps", str(steps),
+        cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
                "--threads", str(threads), "--out", str(out)]
     with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
         subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -152,9 +161,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads of TRL and of rlpipe's sync workers (separate_async: 1 per worker)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of TRL and of rlpipe's sync workers (separate_async: 1 per worker); "
+                             "2 oversubscribe a shared 2-core machine (TRL: 1.5 s/step with 2 vs 0.7 s with 1 at load 16)")
+    parser.add_argument("--compare-root", type=Path,
+                        help="an older rlpipe checkout (with rlpipe/stages and rlpipe/schemas linked to its stages/ and "
+                             "schemas/): adds inline@before, ray_sync@before, separate_async@before to the variants")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # one run, in this process
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,13 +177,16 @@ def main() -> None:
         args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads)))
         return
     variants = args.variants.split(",")
+    if args.compare_root:
+        variants += [f"{v}@before" for v in variants if v != "trl"]
     workdir = Path(tempfile.mkdtemp(prefix="vs_trl_"))
     prepare(workdir)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     loads = [load_average()]
     for repeat in range(args.repeats):
         for variant in variants:  # interleaved: load drifts hit every variant alike
-            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads), args.warmup))
+            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root),
+                                           args.warmup))
             loads.append(load_average())
             print(f"repeat {repeat} {variant}: {runs[variant][-1]['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
     table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
