@@ -187,7 +187,10 @@ class StepExecutor:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.kind == "weight_sync":
-            self.policy_version = int(self.backend.workers.call("actor", "get_version", rank=0)[0])
+            # the push reports the version it bumped to; ask the trainer only when an impl does not
+            pushed = result.metrics.get("weight_sync/version")
+            self.policy_version = int(pushed) if pushed is not None else int(
+                self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
         out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp)
