@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.deadline import call_with_deadline
 from rlpipe.errors import StageError
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
@@ -92,6 +93,8 @@ class ChainedStage:
     impl: str
     params: dict
     writes: dict[str, pa.DataType]
+    timeout_s: float | None = None
+    """The node's own deadline, enforced inside the chain (the caller's wait only bounds the whole)."""
 
 
 @dataclasses.dataclass
@@ -104,13 +107,17 @@ class ChainStep:
     duration_s: float
 
 
-def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list) -> list[ChainStep]:
-    """Run ``stages`` in order, each on the table the previous one made; stops at the first error."""
+def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str) -> list[ChainStep]:
+    """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
+
+    Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
+    ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline."""
     steps: list[ChainStep] = []
     for stage, ctx in zip(stages, ctxs):
         start = time.time()
         try:
-            result = run_stage(stage.kind, stage.impl, stage.params, batch, ctx)
+            result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx),
+                                        stage.timeout_s, where)
             batch = apply_result(stage, batch, result)
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
             steps.append(ChainStep(None, exc, start, time.time() - start))

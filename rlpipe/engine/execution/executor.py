@@ -146,7 +146,7 @@ class StepExecutor:
         for node in group:
             for hook in self.before_node:
                 hook(node, step)
-        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes)) for n in group]
+        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s) for n in group]
         timeouts = [n.timeout_s for n in group]
         start = time.time()
         try:

@@ -71,7 +71,8 @@ def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[Stage
     Each stage's result is applied here to feed the next; the driver gets every stage's own result
     (and applies them again: one lineage record per node). The first failure ends the chain."""
     register_arrow_ipc()
-    return run_chain(stages, batch, ctxs)
+    task = ray.get_runtime_context().get_task_id()
+    return run_chain(stages, batch, ctxs, f"a Ray task (task id {task}; the stage's thread in it is abandoned)")
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
