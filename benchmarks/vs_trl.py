@@ -152,6 +152,19 @@ def summarize(run: dict, warmup: int) -> dict:
             "rewards": run["rewards"]}
 
 
+def _fill_async_lengths(runs: dict[str, list[dict]]) -> None:
+    """separate_async reports no per-step completion length (generation runs in the rollout service):
+    its tokens/s uses the median completion length of the sync rlpipe runs (same model, seed and sampler)."""
+    for variant, rs in runs.items():
+        name, _, before = variant.partition("@")
+        sync = [r["completion_len"] for v in (f"inline{'@' + before if before else ''}",
+                                               f"ray_sync{'@' + before if before else ''}") for r in runs.get(v, [])]
+        for r in rs:
+            if np.isnan(r["completion_len"]) and sync:
+                r["completion_len"] = float(np.median(sync))
+                r["tokens_per_s"] = PROMPTS * SAMPLES * (PROMPT_TOKENS + r["completion_len"]) / r["step_s"]
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -189,6 +202,7 @@ def main() -> None:
                                            args.warmup))
             loads.append(load_average())
             print(f"repeat {repeat} {variant}: {runs[variant][-1]['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
+    _fill_async_lengths(runs)
     table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
                                                                       "reward_first5", "reward_last10")}
              for v, rs in runs.items()}
