@@ -31,9 +31,11 @@ Layout of what it writes (readable with the plain MLflow client, or with
   as MLflow params and per-step metrics: the stage's metrics plus ``duration_s``,
   ``rows_in``, ``rows_out``, ``trainer_version`` and ``policy_version/min|max``.
 
-Cost: one ``log_batch`` per node per step (FACTS.md: a batch of 100 metrics costs
-what ~3 single ``log_metric`` calls do; it is not buffered across steps: the tracking spool
-replays the calls whose MLflow writes failed, so a call's writes happen inside it).
+Cost: node metrics are buffered and sent as one ``log_batch`` per node every
+``tracking.node_metrics_every_s`` and at the run's end (a call costs 70–110 ms on a busy
+sqlite store; one per node per step was the observer's largest cost). Metrics still unsent
+when a run ends badly are handed to the tracking spool as ``on_node_metrics`` calls
+(:meth:`MLflowObserver.unsent_calls`), so a replay delivers them.
 Lineage is appended per step (a part file per step, O(rows of the step); rewriting the
 whole table every step was O(steps²)), so a crash loses at most the records of the step in
 flight; the whole-run files are written once, at the end.
@@ -126,6 +128,8 @@ class MLflowObserver:
         self._rewards: dict[int, float] = {}  # reward/mean per step, for the figures
         self._trajectory_rows: list[dict] = []  # the browsable trajectories table
         self._dirty_steps: set[int] = set()  # steps whose lineage part is not written yet
+        self._node_metrics: dict[str, list[list]] = {}  # node → buffered [key, value, ms, step]
+        self._node_metrics_sent = time.monotonic()
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
         self._tmp = Path(tempfile.mkdtemp(prefix="rlpipe-mlflow-"))
@@ -194,6 +198,8 @@ class MLflowObserver:
                 self._trajectory_lineage.append(trajectory_lineage)
                 self._guard("writing the trajectory lineage", self._write_trajectory_parts, trajectory_lineage)
             self._guard("writing the lineage table", self._write_lineage_parts)
+            if time.monotonic() - self._node_metrics_sent >= self.tracking.node_metrics_every_s:
+                self._guard("logging node metrics", self._flush_node_metrics)
             every = self.tracking.figures_every
             if every and (step + 1) % every == 0:
                 self._guard("drawing the figures and tables", self._write_views)
@@ -253,6 +259,7 @@ class MLflowObserver:
             if status not in _STATUSES:
                 log.warning("unknown run status %r; recording FAILED", status)
                 status = "FAILED"
+            self._guard("logging node metrics", self._flush_node_metrics)
             self._guard("writing the lineage table", self._write_lineage_parts)
             self._guard("writing the whole-run lineage", self._write_whole_lineage)
             for step in sorted(set(self._records) - self._traced - self._earlier_attempt):
@@ -395,7 +402,35 @@ class MLflowObserver:
         if r.policy_versions:
             values["policy_version/min"] = float(min(r.policy_versions))
             values["policy_version/max"] = float(max(r.policy_versions))
-        self._log_metrics(child, values, r.step, ts)
+        self._node_metrics.setdefault(r.node, []).extend([k, v, ts, r.step] for k, v in values.items())
+
+    def on_node_metrics(self, node: str, metrics: list[list]) -> None:
+        """Send buffered metrics ``[key, value, timestamp ms, step]`` of node ``node`` (spool replays)."""
+        with self._lock:
+            if not self._accepting("on_node_metrics"):
+                return
+            self._node_metrics.setdefault(node, []).extend(metrics)
+            self._guard("logging node metrics", self._flush_node_metrics)
+
+    def unsent_calls(self) -> list[tuple[str, tuple]]:
+        """What this observer holds but has not written, as calls for the spool of a run that ended badly:
+        ``on_node_end`` for the records of steps whose lineage part is unwritten (those calls themselves
+        succeeded: they only buffer), then ``on_node_metrics`` for the other buffered metrics.
+        No lock: the writer thread may be stuck in a call holding it; a snapshot is enough."""
+        dirty = set(self._dirty_steps)
+        records = [("on_node_end", (r,)) for step in sorted(dirty) for r in self._step_records(step)]
+        metrics = [("on_node_metrics", (node, [m for m in buffered if m[3] not in dirty]))
+                   for node, buffered in list(self._node_metrics.items())]
+        return records + [call for call in metrics if call[1][1]]
+
+    def _flush_node_metrics(self) -> None:
+        """One log_batch per node (chunked); a node whose write fails keeps its metrics for the next flush."""
+        self._node_metrics_sent = time.monotonic()
+        for node in list(self._node_metrics):
+            metrics = [Metric(k, v, ts, step) for k, v, ts, step in self._node_metrics[node]]
+            for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+                self.client.log_batch(self._node_runs[node], metrics=chunk)
+            del self._node_metrics[node]
 
     def _log_metrics(self, run_id: str, values: dict[str, float], step: int, ts: int) -> None:
         metrics = [Metric(k, v, ts, step) for k, v in values.items()]
