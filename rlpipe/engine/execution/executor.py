@@ -22,7 +22,7 @@ from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import DP_RANK, UID
-from rlpipe.engine.stage_call import apply_result, merge_results
+from rlpipe.engine.stage_call import ChainedStage, apply_result, as_array, merge_results
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -90,19 +90,41 @@ class StepExecutor:
 
     def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
             extras: dict[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
-        """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics."""
+        """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics.
+
+        Consecutive task nodes run as one task when the backend can chain them (Ray: one round
+        trip and one ``ray.put`` instead of one per node); each still gets its own lineage record."""
         metrics: dict[str, float] = {}
         fp = fingerprint(table)
-        for node in nodes if nodes is not None else self.plan.nodes:
-            table, node_metrics, fp = self.run_node(step, node, table, fp, extras or {})
+        todo = list(nodes if nodes is not None else self.plan.nodes)
+        i = 0
+        while i < len(todo):
+            group = self._fusable(todo, i)
+            if len(group) > 1:
+                table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {})
+            else:
+                table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
             metrics.update(node_metrics)
+            i += len(group)
         return table, metrics
+
+    def _fusable(self, nodes: list[PlannedNode], i: int) -> list[PlannedNode]:
+        """The run of task nodes starting at ``nodes[i]`` (just ``[nodes[i]]`` when it cannot be fused)."""
+        if not hasattr(self.backend, "run_task_chain"):
+            return [nodes[i]]
+        j = i
+        while j < len(nodes) and nodes[j].spec.placement == "task":
+            j += 1
+        return nodes[i:j] if j - i > 1 else [nodes[i]]
+
+    def _context(self, step: int, node: PlannedNode, extras: dict[str, Any]) -> StageContext:
+        return StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
+                            dp_size=self.dp_size, extras={**self.base_extras, **extras},
+                            carry=dict(self.carry.get(node.name, {})))
 
     def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str,
                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
-        ctx = StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
-                           dp_size=self.dp_size, extras={**self.base_extras, **extras},
-                           carry=dict(self.carry.get(node.name, {})))
+        ctx = self._context(step, node, extras)
         for hook in self.before_node:
             hook(node, step)
         self._record_input(step, node, table, ctx)
@@ -111,23 +133,64 @@ class StepExecutor:
             result = self._dispatch(node, table, ctx)
             out = apply_result(node, table, result)
         except Exception as exc:
-            if isinstance(exc, StageTimeout):
-                error = StageError(node.kind, node.impl, step, (
-                    f"node {node.name!r} timed out: {exc}. If the stage is only slow, raise its `timeout_s` "
-                    f"(-o stages.{node.name}.timeout_s=SECONDS); otherwise look for what hangs in that worker's log"
-                ))
-            else:
-                error = _stage_error(node, step, exc)
-            self._record_failure(step, node, table, input_fp, start, error)
-            if error is exc:
-                raise
-            chained = isinstance(exc, StageTimeout) or error is getattr(exc, "cause", None)
-            raise error from (None if chained else exc)
-        duration = time.time() - start
+            self._fail(step, node, table, input_fp, start, exc)
+        return self._finish(step, node, table, out, result, start, time.time() - start, input_fp)
+
+    def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str,
+                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
+        """Task nodes ``group`` as one backend call; then, per node, the same records and checks as
+        :meth:`run_node` (its result applied here to rebuild its input and output). The mode hooks of
+        the group's nodes run before and after the whole call (no task stage needs them in between);
+        a node's duration is its stage's run time inside the task."""
+        ctxs = [self._context(step, node, extras) for node in group]
+        for node in group:
+            for hook in self.before_node:
+                hook(node, step)
+        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s) for n in group]
+        timeouts = [n.timeout_s for n in group]
+        start = time.time()
+        try:
+            steps = self.backend.run_task_chain(stages, table, ctxs, None if None in timeouts else sum(timeouts))
+        except Exception as exc:
+            self._fail(step, group[0], table, input_fp, start, exc)
+        metrics: dict[str, float] = {}
+        fp = input_fp
+        for node, ctx, done in zip(group, ctxs, steps):
+            self._record_input(step, node, table, ctx)
+            try:
+                if done.error is not None:
+                    raise done.error
+                out = apply_result(node, table, done.result)
+            except Exception as exc:
+                self._fail(step, node, table, fp, done.start, exc)
+            table, node_metrics, fp = self._finish(step, node, table, out, done.result, done.start, done.duration_s, fp)
+            metrics.update(node_metrics)
+        return table, metrics, fp
+
+    def _fail(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str, start: float, exc: Exception):
+        """Record the failed execution and raise its StageError."""
+        if isinstance(exc, StageTimeout):
+            error = StageError(node.kind, node.impl, step, (
+                f"node {node.name!r} timed out: {exc}. If the stage is only slow, raise its `timeout_s` "
+                f"(-o stages.{node.name}.timeout_s=SECONDS); otherwise look for what hangs in that worker's log"
+            ))
+        else:
+            error = _stage_error(node, step, exc)
+        self._record_failure(step, node, table, input_fp, start, error)
+        if error is exc:
+            raise exc
+        chained = isinstance(exc, StageTimeout) or error is getattr(exc, "cause", None)
+        raise error from (None if chained else exc)
+
+    def _finish(self, step: int, node: PlannedNode, table: pa.Table, out: pa.Table, result: StageResult, start: float,
+                duration: float, input_fp: str) -> tuple[pa.Table, dict[str, float], str]:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.kind == "weight_sync":
-            self.policy_version = int(self.backend.workers.call("actor", "get_version", rank=0)[0])
+            # the push reports the version it bumped to; ask the trainer only when an impl does not
+            pushed = result.metrics.get("weight_sync/version")
+            self.policy_version = int(pushed) if pushed is not None else int(
+                self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
         out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp)

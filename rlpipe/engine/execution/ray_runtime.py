@@ -24,7 +24,7 @@ from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.jagged import contiguous
-from rlpipe.engine.stage_call import run_stage, shard_rows
+from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import load_plugins
@@ -62,6 +62,17 @@ def run_task_stage(kind: str, impl: str, params: dict, batch: pa.Table, ctx: Sta
     """A stateless stage as a Ray task."""
     register_arrow_ipc()
     return run_stage(kind, impl, params, batch, ctx)
+
+
+@ray.remote(num_cpus=1, max_retries=0)
+def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
+    """Consecutive stateless stages as one Ray task (one round trip and one ``ray.put`` for all).
+
+    Each stage's result is applied here to feed the next; the driver gets every stage's own result
+    (and applies them again: one lineage record per node). The first failure ends the chain."""
+    register_arrow_ipc()
+    task = ray.get_runtime_context().get_task_id()
+    return run_chain(stages, batch, ctxs, f"a Ray task (task id {task}; the stage's thread in it is abandoned)")
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -254,6 +265,17 @@ class RayBackend:
         except ray.exceptions.GetTimeoutError:
             ray.cancel(ref, force=True)  # kills the task's worker process
             raise StageTimeout(timeout_s, f"a Ray task (task id {ref.task_id().hex()}, cancelled)") from None
+
+    def run_task_chain(self, stages: list[ChainedStage], table: pa.Table, ctxs: list[StageContext],
+                       timeout_s: float | None = None) -> list[ChainStep]:
+        """``stages`` as one task (see :func:`run_task_chain`); :class:`StageTimeout` after ``timeout_s``."""
+        ref = run_task_chain.remote(stages, ray.put(contiguous(table)), ctxs)
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
+            raise StageTimeout(timeout_s, f"a Ray task running {names} (task id {ref.task_id().hex()}, cancelled)") from None
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
                        ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:

@@ -96,6 +96,12 @@ class BackgroundObserver:
                 if item is not _STOP:
                     pending.append(item)
         self._thread = None
+        unsent = getattr(self.inner, "unsent_calls", None)
+        if pending and unsent is not None:
+            # what the observer buffered but never wrote (node records, node metrics), first: the replayed
+            # step ends write their lineage from those records; records already in `pending` stay once
+            queued = {id(args[0]) for method, args in pending if method == "on_node_end"}
+            pending[:0] = [(m, a) for m, a in unsent() if m != "on_node_end" or id(a[0]) not in queued]
         if pending:
             self._spool(pending, hung)
 

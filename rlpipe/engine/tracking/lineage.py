@@ -9,7 +9,10 @@ per column, the *logical* bytes of every Arrow buffer with BLAKE2b: chunks are
 combined first, slice offsets are applied, list and string offsets are rebased
 to zero and null slots are dropped (their validity is hashed instead), so equal
 content gives an equal fingerprint however the table was chunked or sliced.
-Work is per column and per buffer, never per row. Floats are hashed bitwise
+Work is per column and per buffer, never per row; the table's hash combines its
+columns' digests, and a column whose buffers were hashed recently (the columns a node
+passes through unchanged, and the input a node shares with the previous node's output)
+is not hashed again (:func:`_column_digest`). Floats are hashed bitwise
 (``0.0`` and ``-0.0`` differ; NaNs with different payloads differ). Union,
 run-end-encoded and list-view columns are not supported (:class:`BatchError`).
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -50,17 +55,48 @@ _DIGEST_SIZE = 16  # 128 bits: collisions are not a concern for lineage, short h
 def fingerprint(table: pa.Table) -> str:
     """Content hash (32 hex chars) of an Arrow table: schema plus every column's logical buffers."""
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
-    h.update(b"rlpipe-fp-v1")
+    h.update(b"rlpipe-fp-v2")
     h.update(table.num_rows.to_bytes(8, "little"))
     for f in table.schema:
         h.update(_frame(f.name.encode()))
         h.update(_frame(str(f.type).encode()))
     for name, col in zip(table.column_names, table.columns):
         try:
-            _update_array(h, _combined(col))
+            h.update(_column_digest(col))
         except BatchError as exc:
             raise BatchError(f"cannot fingerprint column {name!r}: {exc}") from None
     return h.hexdigest()
+
+
+_CACHE_SIZE = 256  # columns: a few steps' tables (nodes add a handful of columns each)
+_cache: OrderedDict[tuple, tuple[pa.ChunkedArray, bytes]] = OrderedDict()
+_cache_lock = threading.Lock()  # the async modes fingerprint from several threads
+
+
+def _column_digest(col: pa.ChunkedArray) -> bytes:
+    """Digest of one column's logical content, remembered by the identity of its buffers.
+
+    Every node's output table shares most columns (the same Arrow buffers) with its input, and its
+    input is the previous node's output: without this, each step re-hashed every column once per
+    node. The key is the chunks' buffer addresses, sizes, offsets and lengths; the cache holds a
+    reference to the column, so those buffers stay alive and their addresses cannot be reused for
+    other data while the entry exists (Arrow buffers are immutable)."""
+    key = (str(col.type), tuple(
+        (chunk.offset, len(chunk), tuple((b.address, b.size) if b is not None else None for b in chunk.buffers()))
+        for chunk in col.chunks))
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit[1]
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    _update_array(h, _combined(col))
+    digest = h.digest()
+    with _cache_lock:
+        _cache[key] = (col, digest)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return digest
 
 
 def _frame(b: bytes) -> bytes:

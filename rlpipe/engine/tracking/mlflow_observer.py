@@ -9,8 +9,10 @@ Layout of what it writes (readable with the plain MLflow client, or with
   ``rlpipe.<key>`` from the plan summary (``rlpipe.mode``, ``rlpipe.nodes`` ...);
   params = the resolved config flattened to dotted keys; artifacts
   ``pipeline.yaml``, ``resolved_config.json``, ``plan_summary.json``,
-  ``lineage/lineage.parquet`` (one row per (step, node), see
-  :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``trajectories/step_XXXXXX.parquet``
+  ``lineage/steps/step_XXXXXX.parquet`` (one row per node execution of that step, see
+  :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``lineage/trajectories/step_XXXXXX.parquet``
+  (the trajectories that step consumed), both gathered at the run's end into
+  ``lineage/lineage.parquet`` and ``lineage/trajectories.parquet``; ``trajectories/step_XXXXXX.parquet``
   and whatever :meth:`MLflowObserver.on_artifact` is given (saved models); headline
   metrics per step plus ``timing/<node>_s`` (seconds, summed over the step's executions);
   browsable ``tables/trajectories.json`` and ``tables/lineage.json``
@@ -29,10 +31,14 @@ Layout of what it writes (readable with the plain MLflow client, or with
   as MLflow params and per-step metrics: the stage's metrics plus ``duration_s``,
   ``rows_in``, ``rows_out``, ``trainer_version`` and ``policy_version/min|max``.
 
-Cost: one ``log_batch`` per node per step (FACTS.md: a batch of 100 metrics costs
-what ~3 single ``log_metric`` calls do); the lineage Parquet is rewritten and
-re-uploaded at every step end and at run end, so a crash loses at most the
-records of the step in flight.
+Cost: node metrics are buffered and sent as one ``log_batch`` per node every
+``tracking.node_metrics_every_s`` and at the run's end (a call costs 70–110 ms on a busy
+sqlite store; one per node per step was the observer's largest cost). Metrics still unsent
+when a run ends badly are handed to the tracking spool as ``on_node_metrics`` calls
+(:meth:`MLflowObserver.unsent_calls`), so a replay delivers them.
+Lineage is appended per step (a part file per step, O(rows of the step); rewriting the
+whole table every step was O(steps²)), so a crash loses at most the records of the step in
+flight; the whole-run files are written once, at the end.
 
 Tracking trouble never stops training: after the run has started, MLflow or I/O
 errors are logged as warnings and kept in :attr:`MLflowObserver.failures`. Only
@@ -121,7 +127,9 @@ class MLflowObserver:
         self._resumed_lineage_steps: set[int] = set()  # consuming steps of trajectory lineage from before a resume
         self._rewards: dict[int, float] = {}  # reward/mean per step, for the figures
         self._trajectory_rows: list[dict] = []  # the browsable trajectories table
-        self._lineage_dirty = False
+        self._dirty_steps: set[int] = set()  # steps whose lineage part is not written yet
+        self._node_metrics: dict[str, list[list]] = {}  # node → buffered [key, value, ms, step]
+        self._node_metrics_sent = time.monotonic()
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
         self._tmp = Path(tempfile.mkdtemp(prefix="rlpipe-mlflow-"))
@@ -169,7 +177,7 @@ class MLflowObserver:
                 self._traced.discard(record.step)
                 self._records.pop(record.step, None)
             self._records.setdefault(record.step, {})[(record.node, record.start_time)] = record
-            self._lineage_dirty = True
+            self._dirty_steps.add(record.step)
             self._guard(f"logging node {record.node!r} step {record.step}", self._log_node, record)
 
     def on_step_end(self, step: int, metrics: dict[str, float], trajectories: Any | None,
@@ -188,19 +196,29 @@ class MLflowObserver:
                                                 for t in self._trajectory_lineage]
                     self._trajectory_rows = [r for r in self._trajectory_rows if r["step"] != step]
                 self._trajectory_lineage.append(trajectory_lineage)
-                self._guard("writing the trajectory lineage", self._write_trajectory_lineage)
-            self._guard("writing the lineage table", self._write_lineage)
+                self._guard("writing the trajectory lineage", self._write_trajectory_parts, trajectory_lineage)
+            self._guard("writing the lineage table", self._write_lineage_parts)
+            if time.monotonic() - self._node_metrics_sent >= self.tracking.node_metrics_every_s:
+                self._guard("logging node metrics", self._flush_node_metrics)
             every = self.tracking.figures_every
             if every and (step + 1) % every == 0:
                 self._guard("drawing the figures and tables", self._write_views)
 
-    def _write_trajectory_lineage(self) -> None:
-        """Every consumed trajectory: its versions and the step that consumed it (``lineage/trajectories.parquet``)."""
-        folder = self._tmp / "lineage"
-        folder.mkdir(exist_ok=True)
-        path = folder / "trajectories.parquet"
-        pq.write_table(pa.concat_tables(self._trajectory_lineage), path)
-        self.client.log_artifact(self.run_id, str(path), "lineage")
+    def _write_trajectory_parts(self, table: pa.Table) -> None:
+        """The consumed trajectories of ``table``'s consuming steps (their versions and prompt step), one
+        part per step under ``lineage/trajectories/`` (a step written again replaces its part)."""
+        steps = pc.unique(table.column("consumed_step")).to_pylist()
+        for step in steps:
+            part = table if len(steps) == 1 else table.filter(pc.equal(table.column("consumed_step"), step))
+            self._log_parquet(part, runs.TRAJECTORY_LINEAGE_STEPS_DIR, f"step_{step:06d}.parquet")
+
+    def _log_parquet(self, table: pa.Table, artifact_dir: str, name: str) -> None:
+        folder = self._tmp / artifact_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        pq.write_table(table, path)
+        self.client.log_artifact(self.run_id, str(path), artifact_dir)
+        path.unlink()
 
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """Log a file (to ``<artifact_path>/<name>``) or a directory (its contents to ``artifact_path``, default its name).
@@ -241,7 +259,9 @@ class MLflowObserver:
             if status not in _STATUSES:
                 log.warning("unknown run status %r; recording FAILED", status)
                 status = "FAILED"
-            self._guard("writing the lineage table", self._write_lineage)
+            self._guard("logging node metrics", self._flush_node_metrics)
+            self._guard("writing the lineage table", self._write_lineage_parts)
+            self._guard("writing the whole-run lineage", self._write_whole_lineage)
             for step in sorted(set(self._records) - self._traced - self._earlier_attempt):
                 # steps without a step end: the one that failed, or one cut short
                 self._guard(f"logging step {step} trace", self._log_trace, step, error or f"run ended {status}")
@@ -315,6 +335,7 @@ class MLflowObserver:
             return  # the run died before its first step end
         for r in table_to_records(table):
             self._records.setdefault(r.step, {})[(r.node, r.start_time)] = r
+        self._dirty_steps = set(self._records)  # once: a run recorded before per-step parts has none yet
         self._earlier_attempt = set(self._records)
         self._traced = set(self._records)  # their traces exist; a step run again gets a new one
         try:
@@ -322,6 +343,7 @@ class MLflowObserver:
         except runs.RunNotFoundError:
             return
         self._trajectory_lineage = [earlier]
+        self._write_trajectory_parts(earlier)  # once, for the same reason
         self._resumed_lineage_steps = set(earlier.column("consumed_step").to_pylist())
         self._trajectory_rows = runs.table_rows(run_id, ui_tables.TRAJECTORIES_TABLE, self.tracking_uri)
 
@@ -380,7 +402,35 @@ class MLflowObserver:
         if r.policy_versions:
             values["policy_version/min"] = float(min(r.policy_versions))
             values["policy_version/max"] = float(max(r.policy_versions))
-        self._log_metrics(child, values, r.step, ts)
+        self._node_metrics.setdefault(r.node, []).extend([k, v, ts, r.step] for k, v in values.items())
+
+    def on_node_metrics(self, node: str, metrics: list[list]) -> None:
+        """Send buffered metrics ``[key, value, timestamp ms, step]`` of node ``node`` (spool replays)."""
+        with self._lock:
+            if not self._accepting("on_node_metrics"):
+                return
+            self._node_metrics.setdefault(node, []).extend(metrics)
+            self._guard("logging node metrics", self._flush_node_metrics)
+
+    def unsent_calls(self) -> list[tuple[str, tuple]]:
+        """What this observer holds but has not written, as calls for the spool of a run that ended badly:
+        ``on_node_end`` for the records of steps whose lineage part is unwritten (those calls themselves
+        succeeded: they only buffer), then ``on_node_metrics`` for the other buffered metrics.
+        No lock: the writer thread may be stuck in a call holding it; a snapshot is enough."""
+        dirty = set(self._dirty_steps)
+        records = [("on_node_end", (r,)) for step in sorted(dirty) for r in self._step_records(step)]
+        metrics = [("on_node_metrics", (node, [m for m in buffered if m[3] not in dirty]))
+                   for node, buffered in list(self._node_metrics.items())]
+        return records + [call for call in metrics if call[1][1]]
+
+    def _flush_node_metrics(self) -> None:
+        """One log_batch per node (chunked); a node whose write fails keeps its metrics for the next flush."""
+        self._node_metrics_sent = time.monotonic()
+        for node in list(self._node_metrics):
+            metrics = [Metric(k, v, ts, step) for k, v, ts, step in self._node_metrics[node]]
+            for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+                self.client.log_batch(self._node_runs[node], metrics=chunk)
+            del self._node_metrics[node]
 
     def _log_metrics(self, run_id: str, values: dict[str, float], step: int, ts: int) -> None:
         metrics = [Metric(k, v, ts, step) for k, v in values.items()]
@@ -441,16 +491,24 @@ class MLflowObserver:
         by_step = {step: list(recs.values()) for step, recs in self._records.items()}
         figures.log_figures(self.client, self.run_id, self._rewards, by_step, lineage)
 
-    def _write_lineage(self) -> None:
-        if not self._lineage_dirty:
-            return
-        records = [r for step in sorted(self._records) for r in sorted(self._records[step].values(), key=lambda r: r.start_time)]
-        folder = self._tmp / "lineage"
-        folder.mkdir(exist_ok=True)
-        path = folder / "lineage.parquet"
-        pq.write_table(records_to_table(records), path)
-        self.client.log_artifact(self.run_id, str(path), "lineage")
-        self._lineage_dirty = False
+    def _step_records(self, step: int) -> list[NodeRecord]:
+        return sorted(self._records.get(step, {}).values(), key=lambda r: r.start_time)
+
+    def _write_lineage_parts(self) -> None:
+        """A part per step that got records since the last write (``lineage/steps/``)."""
+        for step in sorted(self._dirty_steps):
+            if self._records.get(step):
+                self._log_parquet(records_to_table(self._step_records(step)), runs.LINEAGE_STEPS_DIR,
+                                  f"step_{step:06d}.parquet")
+            self._dirty_steps.discard(step)
+
+    def _write_whole_lineage(self) -> None:
+        """``lineage/lineage.parquet`` and ``lineage/trajectories.parquet``: the whole run in one file each."""
+        records = [r for step in sorted(self._records) for r in self._step_records(step)]
+        if records:
+            self._log_parquet(records_to_table(records), "lineage", "lineage.parquet")
+        if self._trajectory_lineage:
+            self._log_parquet(pa.concat_tables(self._trajectory_lineage), "lineage", "trajectories.parquet")
 
     def _log_artifact(self, local: Path, artifact_path: str | None) -> None:
         if not local.exists():

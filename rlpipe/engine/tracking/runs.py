@@ -33,6 +33,10 @@ ROLE_NODE = "node"
 NODE_TAG = "rlpipe.node"
 LINEAGE_ARTIFACT = "lineage/lineage.parquet"
 TRAJECTORY_LINEAGE_ARTIFACT = "lineage/trajectories.parquet"
+LINEAGE_STEPS_DIR = "lineage/steps"
+"""Per-step parts of the lineage table, ``step_XXXXXX.parquet``, appended while the run goes."""
+TRAJECTORY_LINEAGE_STEPS_DIR = "lineage/trajectories"
+"""Per-step parts of the trajectory lineage (by consuming step), appended while the run goes."""
 TRAJECTORIES_DIR = "trajectories"
 BATCHES_DIR = "batches"
 
@@ -101,15 +105,29 @@ def _read_parquet_artifact(c: MlflowClient, run_id: str, path: str) -> pa.Table:
         return pq.read_table(local, memory_map=False)  # fully read before the temp dir goes
 
 
+def _read_step_parts(c: MlflowClient, run_id: str, folder: str, whole: str) -> pa.Table:
+    """A per-step table: its ``step_*.parquet`` parts when the run has them (every recorded step has
+    one, the newest write of a step wins, so they are complete even mid-run or after a crash), else
+    the whole-run file (runs recorded before parts existed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            files = sorted(Path(c.download_artifacts(run_id, folder, tmp)).glob("step_*.parquet"))
+        except Exception:  # no such folder: MLflow raises different types per artifact store
+            files = []
+        if files:
+            return pa.concat_tables([pq.read_table(f, memory_map=False) for f in files], promote_options="default")
+    return _read_parquet_artifact(c, run_id, whole)
+
+
 def lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
     """The lineage table of a pipeline run (schema :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`)."""
-    return _read_parquet_artifact(client(tracking_uri), run_id, LINEAGE_ARTIFACT)
+    return _read_step_parts(client(tracking_uri), run_id, LINEAGE_STEPS_DIR, LINEAGE_ARTIFACT)
 
 
 def trajectory_lineage_table(run_id: str, tracking_uri: str | None = None) -> pa.Table:
     """Every consumed trajectory of a run: uid, versions, prompt and consuming step
     (schema :data:`rlpipe.engine.tracking.lineage.TRAJECTORY_LINEAGE_SCHEMA`)."""
-    return _read_parquet_artifact(client(tracking_uri), run_id, TRAJECTORY_LINEAGE_ARTIFACT)
+    return _read_step_parts(client(tracking_uri), run_id, TRAJECTORY_LINEAGE_STEPS_DIR, TRAJECTORY_LINEAGE_ARTIFACT)
 
 
 def table_rows(run_id: str, path: str, tracking_uri: str | None = None) -> list[dict]:

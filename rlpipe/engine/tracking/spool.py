@@ -151,14 +151,16 @@ def _restore_resumes_tag(client, run_id: str, value: str | None) -> None:
 
 
 def _reload_trajectory_lineage(observer, client, calls: list[tuple[str, list]]) -> None:
-    """Keep the run's consumed-trajectory lineage: the observer rewrites ``lineage/trajectories.parquet``
-    from what it holds, so it must start from what the run already logged (minus the spooled steps)."""
+    """Keep the run's consumed-trajectory lineage: the observer writes ``lineage/trajectories.parquet``
+    at the run's end from what it holds, so it must start from what the run already logged (minus the
+    spooled steps)."""
     from rlpipe.engine.tracking import runs
 
     if observer._trajectory_lineage:  # the observer reloads it itself on resume
         return
     try:
-        earlier = runs._read_parquet_artifact(client, observer.run_id, "lineage/trajectories.parquet")
+        earlier = runs._read_step_parts(client, observer.run_id, runs.TRAJECTORY_LINEAGE_STEPS_DIR,
+                                        runs.TRAJECTORY_LINEAGE_ARTIFACT)
     except runs.RunNotFoundError:
         return
     spooled = [args[0] for method, args in calls if method == "on_step_end" and len(args) > 3 and args[3] is not None]

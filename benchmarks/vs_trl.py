@@ -1,0 +1,224 @@
+"""rlpipe vs TRL's GRPOTrainer on equal work: tokens/s and reward per step.
+
+Run: make bench-trl   (builds .venv-trl with TRL, then runs this file with .venv's python)
+     .venv/bin/python benchmarks/vs_trl.py --repeats 3 --steps 50
+Writes benchmarks/results/vs_trl.json and prints a Markdown table (copied into README).
+
+The task (issue 12): a 125k-parameter Qwen2 made from config (hidden 64, 2 layers, 4 query /
+2 key-value heads, MLP 256, tied embeddings, fp32, random init with one seed, saved once and
+loaded by both), a character vocabulary, 4-digit reversal prompts ``rev:DDDD=`` (9 tokens) with
+partial credit per digit, 16 prompts × 8 samples × at most 8 new tokens per step, AdamW lr 1e-3,
+grad clip 1.0, PPO clip 0.2, token-mean loss, no KL (no reference model), π_old = the rollout's
+logprobs (no extra forward), 50 steps, MLflow tracking on (a sqlite store per run).
+
+Variants: TRL (``benchmarks/vs_trl_trl.py`` in .venv-trl: TRL is not an rlpipe dependency),
+rlpipe inline sync (no Ray), rlpipe sync on Ray, rlpipe separate_async on Ray. Each run is its own
+process, the variants are interleaved (one run of each per repeat), and the table shows medians
+over repeats of each run's median step time (first ``--warmup`` steps excluded).
+tokens/s = 128 × (prompt tokens + mean completion length of the run) / median step time,
+so a framework whose completions stop earlier is not credited with tokens it did not make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_PY = ROOT / ".venv-trl/bin/python"
+CHARS = "0123456789=rev:"
+PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_TOKENS = 16, 8, 8, 9
+VARIANTS = ("trl", "inline", "ray_sync", "separate_async")
+
+PIPELINE = """\
+name: vs-trl-{variant}
+seed: 0
+mode: {mode}
+{mode_params}
+model: {{path: {model}}}
+tokenizer: {{path: {model}}}
+data:
+  source: jsonl
+  params: {{path: {data}, data_source: digits}}
+  prompts_per_step: 16
+  max_prompt_length: 16
+trainer:
+  total_steps: {steps}
+  micro_batch_size: 128
+  optimizer: {{lr: 1.0e-3}}
+  grad_clip: 1.0
+  torch_threads: {threads}
+  output_dir: {out}
+stages:
+  - {{kind: generate, impl: embedded, params: {{n: 8, max_tokens: 8, temperature: 1.0}}}}
+  - {{kind: reward, impl: rule}}
+{guard}  - {{kind: balance, impl: tokens}}
+  - {{kind: old_log_prob, impl: bypass}}
+  - {{kind: advantage, impl: grpo}}
+  - {{kind: update, impl: ppo, params: {{policy_loss: vanilla, loss_agg_mode: token-mean, clip_ratio: 0.2}}}}
+  - {{kind: weight_sync, impl: object_store}}
+"""
+
+
+def prepare(workdir: Path, seed: int = 0) -> None:
+    """The shared model (random init, saved once), tokenizer and prompt file."""
+    from rlpipe.backends.model import build_model, save_hf_model
+    from rlpipe.backends.tokenizer import build_tokenizer
+    from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
+
+    tokenizer = build_tokenizer(TokenizerConfig(chars=CHARS))
+    arch = ArchitectureConfig(family="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    model = build_model(ModelConfig(architecture=arch), tokenizer, seed)
+    save_hf_model(model, tokenizer, workdir / "model")
+    rng = np.random.default_rng(seed)
+    digits = rng.integers(0, 10, size=(4096, 4))
+    with open(workdir / "data.jsonl", "w") as f:
+        for row in digits:
+            text = "".join(map(str, row))
+            f.write(json.dumps({"prompt": f"rev:{text}=", "ground_truth": text[::-1]}) + "\n")
+    params = sum(p.numel() for p in model.parameters())
+    (workdir / "meta.json").write_text(json.dumps({"params": params, "vocab": len(tokenizer)}))
+
+
+def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int) -> dict:
+    """One rlpipe run in this process; per-step wall-clock stamps, rewards and completion lengths."""
+    from rlpipe.engine.planning.config_io import load_pipeline
+    from rlpipe.engine.runtime import run_pipeline
+
+    mode = "separate_async" if variant == "separate_async" else "sync"
+    asynchronous = mode == "separate_async"
+    text = PIPELINE.format(
+        variant=variant, mode=mode, steps=steps, threads=threads, model=workdir / "model",
+        data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
+        mode_params="mode_params: {max_off_policy_threshold: 1, strategy: wait, capacity_steps: 1}" if asynchronous else "",
+        guard="  - {kind: staleness_guard, impl: max_staleness}\n" if asynchronous else "",
+    )
+    path = workdir / f"{variant}.yaml"
+    path.write_text(text)
+    config, yaml_text = load_pipeline(path)
+    stamps, rewards, lengths = [], [], []
+
+    def on_step(step, metrics):
+        stamps.append(time.perf_counter())
+        rewards.append(metrics.get("reward/mean", float("nan")))
+        lengths.append(metrics.get("generate/response_length_mean", float("nan")))
+
+    run_pipeline(config, yaml_text, on_step=on_step, inline=variant == "inline")
+    return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths}
+
+
+def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None) -> dict:
+    """A fresh process per run (no warm caches carried between variants).
+
+    ``<variant>@before`` runs the rlpipe checkout at ``compare_root`` instead of this one (its own
+    ``benchmarks/vs_trl.py``, imported first through PYTHONPATH): a before/after table in one
+    interleaved measurement."""
+    out = workdir / f"result-{variant}.json"
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir}/mlflow-{variant}.db",
+               MLFLOW_DISABLE_TELEMETRY="true", RAY_AUTH_MODE="disabled", TOKENIZERS_PARALLELISM="false")
+    name, _, before = variant.partition("@")
+    script = Path(__file__).resolve()
+    if before:
+        script = compare_root / "benchmarks/vs_trl.py"
+        env["PYTHONPATH"] = str(compare_root)
+    if name == "trl":
+        cmd = [str(TRL_PY), str(ROOT / "benchmarks/vs_trl_trl.py"), "--workdir", str(workdir), "--steps", str(steps),
+               "--out", str(out), "--threads", str(threads)]
+    else:
+        cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
+               "--threads", str(threads), "--out", str(out)]
+    with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
+        subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return json.loads(out.read_text())
+
+
+def summarize(run: dict, warmup: int) -> dict:
+    steps = np.diff(np.asarray(run["stamps"]))[warmup:]
+    step_s = float(np.median(steps))
+    completion = float(np.nanmean(run["completion_lengths"]))
+    return {"step_s": step_s, "completion_len": completion,
+            "tokens_per_s": PROMPTS * SAMPLES * (PROMPT_TOKENS + completion) / step_s,
+            "reward_first5": float(np.mean(run["rewards"][:5])), "reward_last10": float(np.mean(run["rewards"][-10:])),
+            "rewards": run["rewards"]}
+
+
+def _fill_async_lengths(runs: dict[str, list[dict]]) -> None:
+    """separate_async reports no per-step completion length (generation runs in the rollout service):
+    its tokens/s uses the median completion length of the sync rlpipe runs (same model, seed and sampler)."""
+    for variant, rs in runs.items():
+        name, _, before = variant.partition("@")
+        sync = [r["completion_len"] for v in (f"inline{'@' + before if before else ''}",
+                                               f"ray_sync{'@' + before if before else ''}") for r in runs.get(v, [])]
+        for r in rs:
+            if np.isnan(r["completion_len"]) and sync:
+                r["completion_len"] = float(np.median(sync))
+                r["tokens_per_s"] = PROMPTS * SAMPLES * (PROMPT_TOKENS + r["completion_len"]) / r["step_s"]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads of TRL and of rlpipe's sync workers (separate_async: 1 per worker); "
+                             "2 oversubscribe a shared 2-core machine (TRL: 1.5 s/step with 2 vs 0.7 s with 1 at load 16)")
+    parser.add_argument("--compare-root", type=Path,
+                        help="an older rlpipe checkout (with rlpipe/stages and rlpipe/schemas linked to its stages/ and "
+                             "schemas/): adds inline@before, ray_sync@before, separate_async@before to the variants")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # one run, in this process
+    parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        threads = 1 if args.child == "separate_async" else args.threads  # two workers share the 2 cores
+        args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads)))
+        return
+    variants = args.variants.split(",")
+    if args.compare_root:
+        variants += [f"{v}@before" for v in variants if v != "trl"]
+    workdir = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    prepare(workdir)
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    loads = [load_average()]
+    for repeat in range(args.repeats):
+        for variant in variants:  # interleaved: load drifts hit every variant alike
+            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root),
+                                           args.warmup))
+            loads.append(load_average())
+            print(f"repeat {repeat} {variant}: {runs[variant][-1]['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
+    _fill_async_lengths(runs)
+    table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
+                                                                      "reward_first5", "reward_last10")}
+             for v, rs in runs.items()}
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
+              "repeats": args.repeats, "warmup": args.warmup, "load_average_1_5_15": loads,
+              "meta": json.loads((workdir / "meta.json").read_text()), "median": table, "runs": runs}
+    (ROOT / "benchmarks/results/vs_trl.json").write_text(json.dumps(result, indent=2))
+    base = table.get("trl", {}).get("tokens_per_s")
+    print(f"load average (1/5/15 min) during the runs: {loads[0]} … {loads[-1]}")
+    print("| variant | step (median) | tokens/s | vs TRL | completion len | reward steps 1-5 | reward last 10 |")
+    print("|---|---|---|---|---|---|---|")
+    for v, row in table.items():
+        ratio = f"{row['tokens_per_s'] / base:.2f}×" if base else "–"
+        print(f"| {v} | {row['step_s'] * 1e3:.0f} ms | {row['tokens_per_s']:.0f} | {ratio} | {row['completion_len']:.2f} | "
+              f"{row['reward_first5']:.3f} | {row['reward_last10']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
