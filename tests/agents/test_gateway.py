@@ -168,12 +168,14 @@ def test_gateway_agent_turn_aborted_by_a_push_resumes_with_both_versions(tok, ch
         for _ in range(3):
             agent.step()
         [partial] = agent.abort_all()  # the program's HTTP request just waits
-        assert partial.finish_reason == "abort" and len(partial.response_ids) == 3
+        # mid-turn: how many tokens depends on when the program's HTTP request reached the engine (a thread)
+        k = len(partial.response_ids)
+        assert partial.finish_reason == "abort" and 0 < k < 7, k
         agent.load_weights(export_buckets(chat_model), version=1)
         [r] = agent.generate([partial.resume(request)])
     finally:
         agent.close()
-    assert r.versions.tolist() == [0] * 3 + [1] * 15
+    assert r.versions.tolist() == [0] * k + [1] * (18 - k)
     assert r.response_mask.tolist() == [1] * 7 + [0] * 8 + [1] * 3 and r.termination == "eos"
 
 
