@@ -51,13 +51,15 @@ def test_a_signal_stops_the_run_cleanly(sig, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("rlpipe")), "run", str(ROOT / "pipelines" / "quickstart.yaml"),
-         "-o", "trainer.total_steps=500", "-o", "data.prompts_per_step=2", "-o", "resources.num_cpus=2",
+         "-o", "trainer.total_steps=100000", "-o", "data.prompts_per_step=2", "-o", "resources.num_cpus=2",
          "-o", f"trainer.output_dir={tmp_path / 'out'}", "-o", f"tracking.uri={uri}",
          "-o", "tracking.experiment=signals"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:  # wait for the first steps
+        # wait for the first steps in the store (the run is signalled long before 100000 steps: at ~0.1 s a step
+        # 500 steps once ended before the background observer's records of step 2 reached the store)
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
                 run = runs.latest_run(uri, "signals")
                 if len(runs.metric_history(run.info.run_id, "step", uri)) >= 2:
