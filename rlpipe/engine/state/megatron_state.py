@@ -80,24 +80,13 @@ class MegatronTrainState(TrainState):
     def optimizer_step(self, loss_finite: bool = True, expect_grad: bool = False) -> dict[str, float]:
         """Guards of :meth:`TrainState.optimizer_step` around megatron's optimizer (grads were DP-reduced when the
         schedule finished)."""
-        trainer = self.config.trainer
         if self.world_size > 1:
             flag = self.all_reduce_sum(torch.tensor([0.0 if loss_finite else 1.0], dtype=torch.float64))
             loss_finite = bool(flag.item() == 0)
         lr = self.current_lr()
         grad_norm = self.engine.reduce_and_clip()
-        stepped = loss_finite and torch.isfinite(torch.tensor(grad_norm)).item()
-        if not stepped:
-            what = "the loss is non-finite" if not loss_finite else f"the gradient norm is {grad_norm}"
-            if trainer.on_nonfinite == "fail":
-                raise NumericalError(
-                    f"local update {self.local_updates}: {what}; the update was not applied and no weights were "
-                    "pushed. Lower trainer.optimizer.lr, set trainer.grad_clip, check the rewards/advantages, or "
-                    "set trainer.on_nonfinite: skip to drop such updates")
-            self.skipped_updates += 1
-            log.warning("non-finite grad norm %s at local update %d (%s): update skipped",
-                        grad_norm, self.local_updates, what)
-        else:
+        stepped = self._finite_or_skip(loss_finite, float(grad_norm))
+        if stepped:
             self.engine.apply(lr)
             self._check_parameters()
         self.engine.zero_grad()

@@ -163,19 +163,8 @@ class TrainState:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")) if params else torch.tensor(0.0)
         grad_norm = self.backend.full(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        stepped = bool(torch.isfinite(grad_norm)) and loss_finite
-        if not stepped:
-            what = "the loss is non-finite" if not loss_finite else f"the gradient norm is {float(grad_norm)}"
-            if trainer.on_nonfinite == "fail":
-                raise NumericalError(
-                    f"local update {self.local_updates}: {what}; the update was not applied and no weights were "
-                    "pushed. Lower trainer.optimizer.lr, set trainer.grad_clip, check the rewards/advantages, or "
-                    "set trainer.on_nonfinite: skip to drop such updates"
-                )
-            self.skipped_updates += 1
-            log.warning("non-finite grad norm %s at local update %d (%s): update skipped",
-                        grad_norm, self.local_updates, what)
-        else:
+        stepped = self._finite_or_skip(loss_finite, float(grad_norm))
+        if stepped:
             self.optimizer.step()
             self._check_parameters()
         self.optimizer.zero_grad(set_to_none=True)
@@ -187,6 +176,23 @@ class TrainState:
         self.local_updates += 1
         self._watch_zero_grad(stepped and expect_grad and float(grad_norm) == 0.0)
         return {"grad_norm": float(grad_norm), "lr": lr, "skipped": 0.0 if stepped else 1.0}
+
+    def _finite_or_skip(self, loss_finite: bool, grad_norm: float) -> bool:
+        """Whether this update may step: False (counted and logged) when the loss or gradient norm is
+        non-finite and trainer.on_nonfinite is skip; a NumericalError when it is fail."""
+        if loss_finite and math.isfinite(grad_norm):
+            return True
+        what = "the loss is non-finite" if not loss_finite else f"the gradient norm is {grad_norm}"
+        if self.config.trainer.on_nonfinite == "fail":
+            raise NumericalError(
+                f"local update {self.local_updates}: {what}; the update was not applied and no weights were "
+                "pushed. Lower trainer.optimizer.lr, set trainer.grad_clip, check the rewards/advantages, or "
+                "set trainer.on_nonfinite: skip to drop such updates"
+            )
+        self.skipped_updates += 1
+        log.warning("non-finite grad norm %s at local update %d (%s): update skipped",
+                    grad_norm, self.local_updates, what)
+        return False
 
     def _check_parameters(self) -> None:
         bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(self.backend.local(p)).all())]
