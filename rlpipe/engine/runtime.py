@@ -152,7 +152,13 @@ class Runtime:
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
-        self.workers.call("actor", "save_hf", path)
+        if self.backend.shared_filesystem:
+            self.workers.call("actor", "save_hf", path)
+        else:  # rank 0's files come through the object store; only the driver writes output_dir
+            files = next((f for f in self.workers.call("actor", "hf_files") if f), None)
+            if not files:
+                raise RlpipeError(f"no actor rank returned the files of model {tag!r}; nothing was saved to {path}")
+            checkpoint.write_files(Path(path), files, "actor rank 0")
         self.observer.on_artifact(path, f"model/{tag}")
         return path
 
