@@ -213,13 +213,14 @@ class ResourcesConfig(Strict):
     NCCL weight broadcast or megatron DP ranks); a fraction shares one (0.5: two workers per GPU)."""
     shared_filesystem: bool | None = None
     """Whether every Ray node sees the driver's files at the same paths (one machine, or NFS / a shared disk).
-    true: workers load `model.path` / `tokenizer.path` themselves and trainer ranks write checkpoints and
-    saved models into `trainer.output_dir` (nothing is copied). false: the driver packs those model
-    directories once into Ray's object store (files checked by size and sha256) and every worker loads a
-    verified copy from its node's `node_cache_dir`; trainer ranks send checkpoint files and saved models
-    to the driver through the object store, and only the driver writes `trainer.output_dir`. None (the
+    true: workers load `model.path` / `tokenizer.path` (and stage params `path` / `model_path` naming a folder:
+    reward model, judge, SGLang server) themselves and trainer ranks write checkpoints and saved models into
+    `trainer.output_dir` (nothing is copied). false: the driver packs those model folders once into Ray's
+    object store (files checked by size and sha256) and every worker loads a verified copy from its node's
+    `node_cache_dir`; trainer ranks send checkpoint files and saved models to the driver through the
+    object store, and only the driver writes `trainer.output_dir`. None (the
     default): true on a one-node Ray (a laptop, a single machine: no copy, no extra cost), false on a
-    cluster of several nodes. See README, "Multi-node"."""
+    cluster of several nodes. An inline run (one process) always reads the paths. See README, "Multi-node"."""
     node_cache_dir: str | None = None
     """Node-local folder where workers keep the model directories shipped through the object store
     (shared_filesystem false); one copy per node and model, reused by every worker on it and by later runs.

@@ -1,8 +1,10 @@
-"""rlpipe.engine.files.dir_pack: a model folder packed once, materialized verified in a node cache, shared by workers."""
+"""rlpipe.engine.files: a model folder packed once, materialized verified in a node cache, shared by workers; the
+worker config that names the copies."""
 
 import hashlib
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,35 @@ def test_a_lock_held_too_long_is_a_bounded_wait_naming_the_lock(model_dir, tmp_p
 def test_packing_a_folder_the_driver_does_not_have_names_it(tmp_path):
     with pytest.raises(DirPackError, match=r"cannot pack '.*missing' for the workers: it is not a directory"):
         pack(tmp_path / "missing", Store().put)
+
+
+def test_a_worker_config_names_the_node_copies_of_every_model_folder_and_keeps_file_paths(model_dir, tmp_path):
+    """model.path, tokenizer.path and stage params named path / model_path that are folders on the driver (a reward
+    model, an SGLang server's model) are shipped and replaced; a dataset file stays the driver's."""
+    from rlpipe.engine.files.ship import localize, ship_model_dirs
+    from rlpipe.schemas.config import PipelineConfig
+
+    rm_dir = tmp_path / "driver" / "reward-model"
+    rm_dir.mkdir()
+    (rm_dir / "config.json").write_text("{}")
+    data_file = tmp_path / "driver" / "data.jsonl"
+    data_file.write_text("{}\n")
+    config = PipelineConfig.model_validate({
+        "model": {"path": str(model_dir)}, "tokenizer": {"path": str(model_dir)},
+        "data": {"source": "jsonl", "params": {"path": str(data_file)}},
+        "resources": {"node_cache_dir": str(tmp_path / "node-cache")},
+        "stages": [{"kind": "reward", "impl": "weighted", "params": {"reward_model": {"path": str(rm_dir)}}},
+                   {"kind": "generate", "impl": "sglang", "params": {"server": {"model_path": str(model_dir)}}}]})
+    store = Store()
+    shipped = ship_model_dirs(config, store.put)
+    assert sorted(shipped.dirs) == sorted([str(model_dir), str(rm_dir)])  # model_dir named 3 times, packed once
+    raw = config.model_dump(mode="json")
+    local_config, local = localize(raw, shipped, store.get)
+    cache = tmp_path / "node-cache"
+    assert local_config["model"]["path"] == local_config["tokenizer"]["path"] == local[str(model_dir)]
+    assert local_config["stages"][1]["params"]["server"]["model_path"] == local[str(model_dir)]
+    assert local_config["stages"][0]["params"]["reward_model"]["path"] == local[str(rm_dir)]
+    assert all(path.startswith(str(cache) + "/") for path in local.values())
+    assert local_config["data"]["params"]["path"] == str(data_file)
+    assert raw["model"]["path"] == str(model_dir)  # the driver's config is left as it was
+    assert _tree(Path(local[str(rm_dir)])) == _tree(rm_dir)
