@@ -205,12 +205,26 @@ class ResourcesConfig(Strict):
     rollout: node_b}` for nodes started with `ray start --resources '{"node_a": 1}'`. Each worker of
     the role asks for 0.001 of that resource; roles not named go wherever Ray puts them. The DP ranks of
     a sharded role (actor, critic) are packed onto one node by a placement group (gloo rendezvous on
-    that node's address). Nodes share no filesystem: see README, "Multi-node"."""
+    that node's address). Which files nodes must share: `shared_filesystem`."""
     gpus_per_worker: float = Field(0.0, ge=0)
     """GPUs each worker of a model-holding role (actor, critic, reference, rollout) asks Ray for; needs
     `device: cuda`. 0: none reserved, every worker sees all of its node's GPUs (roles colocated on one GPU,
     as the sync mode does); 1: a GPU of its own (Ray sets its CUDA_VISIBLE_DEVICES: separate GPUs, e.g. for
     NCCL weight broadcast or megatron DP ranks); a fraction shares one (0.5: two workers per GPU)."""
+    shared_filesystem: bool | None = None
+    """Whether every Ray node sees the driver's files at the same paths (one machine, or NFS / a shared disk).
+    true: workers load `model.path` / `tokenizer.path` (and stage params `path` / `model_path` naming a folder:
+    reward model, judge, SGLang server) themselves and trainer ranks write checkpoints and saved models into
+    `trainer.output_dir` (nothing is copied). false: the driver packs those model folders once into Ray's
+    object store (files checked by size and sha256) and every worker loads a verified copy from its node's
+    `node_cache_dir`; trainer ranks send checkpoint files and saved models to the driver through the
+    object store, and only the driver writes `trainer.output_dir`. None (the
+    default): true on a one-node Ray (a laptop, a single machine: no copy, no extra cost), false on a
+    cluster of several nodes. An inline run (one process) always reads the paths. See README, "Multi-node"."""
+    node_cache_dir: str | None = None
+    """Node-local folder where workers keep the model directories shipped through the object store
+    (shared_filesystem false); one copy per node and model, reused by every worker on it and by later runs.
+    None: `<system temp dir>/rlpipe-cache` on each node."""
 
     @model_validator(mode="after")
     def _gpus_need_cuda(self) -> "ResourcesConfig":

@@ -94,8 +94,9 @@ def _from_architecture(arch: ArchitectureConfig, tokenizer: PreTrainedTokenizerB
 def _load_local(path: str, dtype: torch.dtype) -> PreTrainedModel:
     if not Path(path).is_dir():
         raise ConfigError(
-            f"model.path {path!r} is not a directory; point it at a local Hugging Face model "
-            "folder (nothing is downloaded) or give `architecture` instead"
+            f"model.path {path!r} is not a directory on this node; point it at a local Hugging Face model "
+            "folder (nothing is downloaded) or give `architecture` instead. On a Ray cluster whose nodes do not all "
+            "have that folder, set resources.shared_filesystem: false (the driver ships it to every node)"
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)

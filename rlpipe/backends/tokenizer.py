@@ -76,8 +76,9 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 def _load_local(path: str) -> PreTrainedTokenizerFast:
     if not Path(path).is_dir():
         raise ConfigError(
-            f"tokenizer.path {path!r} is not a directory; point it at a local Hugging Face "
-            "tokenizer folder (nothing is downloaded) or use `chars` / `byte_level: true`"
+            f"tokenizer.path {path!r} is not a directory on this node; point it at a local Hugging Face "
+            "tokenizer folder (nothing is downloaded) or use `chars` / `byte_level: true`. On a Ray cluster whose "
+            "nodes do not all have that folder, set resources.shared_filesystem: false (the driver ships it)"
         )
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

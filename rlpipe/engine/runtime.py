@@ -29,6 +29,7 @@ from rlpipe.engine.tracking.spool import SPOOL_NAME
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.resume import plan_resume
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
+from rlpipe.engine.files.ship import shares_filesystem, ship_model_dirs
 from rlpipe.registry import registry
 from rlpipe.errors import RlpipeError
 from rlpipe.schemas.batch import PROMPT_IDS, REWARD, STATUS, STATUS_FAILED, UID
@@ -151,7 +152,13 @@ class Runtime:
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
-        self.workers.call("actor", "save_hf", path)
+        if self.backend.shared_filesystem:
+            self.workers.call("actor", "save_hf", path)
+        else:  # rank 0's files come through the object store; only the driver writes output_dir
+            files = next((f for f in self.workers.call("actor", "hf_files") if f), None)
+            if not files:
+                raise RlpipeError(f"no actor rank returned the files of model {tag!r}; nothing was saved to {path}")
+            checkpoint.write_files(Path(path), files, "actor rank 0")
         self.observer.on_artifact(path, f"model/{tag}")
         return path
 
@@ -208,8 +215,12 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         else:
             phase("starting Ray")
             init_ray(config.resources.ray_address, config.resources.num_cpus)
+            shipped = None
+            if not shares_filesystem(config, inline=False):
+                phase("packing the model folders into Ray's object store (resources.shared_filesystem: false)")
+                shipped = ship_model_dirs(config)
             phase(f"building workers ({', '.join(sorted(roles))})")
-            backend = RayBackend.start(config, roles)
+            backend = RayBackend.start(config, roles, shipped)
         phase("loading data and the first weight sync")
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
         if resumed:

@@ -6,6 +6,13 @@ actor's 2 DP ranks (trainer.backend fsdp2: sharded, so weight pushes and the fin
 collectives of both ranks), node_b the rollout replica. Then a 2-step separate_async run on the same
 cluster (trainer on node_a, rollout pool on node_b, weight pushes by broadcast). Prints one JSON line:
 the node ids and every lineage record's node, kind and worker, for both runs.
+
+No shared filesystem (resources.shared_filesystem left at its default: false on 3 nodes): the sync
+run loads its model from a folder (`model.path`, `tokenizer.path`) that exists only while the driver
+packs it — it is renamed away while the workers are built — and writes a checkpoint every step. Every
+Ray worker process runs an audit hook (`sys.addaudithook`, installed by Ray's
+worker_process_setup_hook) that logs each file it opens, creates, renames or removes under the model
+folder, the node cache or the output folder. A third run resumes (fork) from the step-1 checkpoint.
 """
 
 import json
@@ -20,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Recorder:
-    def __init__(self):
-        self.records, self.metrics = [], {}
+    def __init__(self, run_id: str = "multinode"):
+        self.records, self.metrics, self.run_id = [], {}, run_id
 
     def on_run_start(self, config, pipeline_yaml, plan_summary) -> str:
-        return "multinode"
+        return self.run_id
 
     def on_node_end(self, record):
         self.records.append(record)
@@ -57,29 +64,113 @@ def separate_async(workdir: str) -> dict:
             "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records]}
 
 
-def main(workdir: str) -> None:
+def audit_hook(prefixes: list[str], log_dir: str):
+    """Ray's worker_process_setup_hook: every worker process logs (pid, event, path, write?) for file events under
+    ``prefixes`` to ``<log_dir>/<pid>.jsonl`` (its log file is opened before the hook, so it is not logged)."""
+
+    def install() -> None:
+        import os
+        import sys
+
+        fd = os.open(f"{log_dir}/{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+        def hook(event, args):
+            if event not in ("open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.unlink", "shutil.rmtree"):
+                return
+            paths = [os.fsdecode(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+            hit = next((p for p in paths if any(os.path.abspath(p) == x or os.path.abspath(p).startswith(x + os.sep)
+                                                for x in prefixes)), None)
+            if hit is None:
+                return
+            write = event != "open" or (isinstance(args[1], str) and any(c in args[1] for c in "wax+")) or (
+                args[1] is None and bool(args[2] & writes))
+            os.write(fd, (json.dumps({"pid": os.getpid(), "event": event, "path": os.path.abspath(hit),
+                                      "write": write}) + "\n").encode())
+
+        sys.addaudithook(hook)
+
+    return install
+
+
+def make_model_dir(folder: Path, raw: dict) -> Path:
+    """The quickstart's randomly initialized model and its tokenizer as a Hugging Face folder."""
+    from rlpipe.backends.model import build_model, save_hf_model
+    from rlpipe.backends.tokenizer import build_tokenizer
+    from rlpipe.schemas.config import ModelConfig, TokenizerConfig
+
+    tokenizer = build_tokenizer(TokenizerConfig(**raw["tokenizer"]))
+    return save_hf_model(build_model(ModelConfig(**raw["model"]), tokenizer, raw["seed"]), tokenizer, folder)
+
+
+def tree(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def sync_runs(workdir: str) -> dict:
+    """The sync run on a model folder only the driver has while workers start; then a fork resumed from its step-1
+    checkpoint. Returns what the test checks."""
+    import torch
+    from safetensors.torch import load_file
+
     from rlpipe.engine.planning.config_io import validate_config
     from rlpipe.engine.runtime import run_pipeline
 
+    raw = yaml.safe_load((ROOT / "pipelines" / "quickstart.yaml").read_text())
+    model_dir = make_model_dir(Path(workdir) / "driver-only" / "model", raw)
+    packed_tree = tree(model_dir)
+    raw["model"], raw["tokenizer"] = {"path": str(model_dir)}, {"path": str(model_dir)}
+    raw["data"]["prompts_per_step"] = 4
+    raw["trainer"].update(total_steps=2, dp_size=2, backend="fsdp2", output_dir=f"{workdir}/outputs",
+                          checkpoint_every=1, keep_checkpoints=0)
+    raw["resources"] = {"placement": {"actor": "node_a", "rollout": "node_b"}, "node_cache_dir": f"{workdir}/cache"}
+    raw["tracking"] = {"enabled": False}
+    hidden, phases = model_dir.with_name("model.hidden"), []
+
+    def on_phase(name: str) -> None:  # the folder is gone while every worker builds its role
+        phases.append(name)
+        if name.startswith("building workers"):
+            model_dir.rename(hidden)
+        elif name.startswith("loading data") and hidden.exists():
+            hidden.rename(model_dir)  # the driver builds its own tokenizer from tokenizer.path next
+
+    recorder = Recorder("multinode-sync")
+    result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder, on_phase=on_phase)
+    out = Path(result.output_dir)
+    resumed = Recorder("multinode-resumed")
+    again = run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=resumed,
+                         resume_from=str(out / "checkpoints" / "step_1"), fork=True)
+    first, second = load_file(out / "final" / "model.safetensors"), load_file(Path(again.output_dir) / "final" /
+                                                                               "model.safetensors")
+    caches = [p for p in Path(f"{workdir}/cache").iterdir() if p.is_dir()]
+    return {
+        "status": recorder.status, "resumed_status": resumed.status, "phases": phases,
+        "final_model": (out / "final" / "model.safetensors").is_file(),
+        "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records],
+        "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
+        "checkpoint_files": sorted(p.name for p in (out / "checkpoints" / "step_1").iterdir()),
+        "resumed_steps": again.steps, "resumed_equal": first.keys() == second.keys() and all(
+            torch.equal(first[k], second[k]) for k in first),
+        "model_dir": str(model_dir), "output_dir": str(Path(workdir) / "outputs"), "cache_dir": f"{workdir}/cache",
+        "packed_tree": packed_tree, "cache_trees": [tree(p) for p in caches],
+    }
+
+
+def main(workdir: str) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1})
     node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    audit = Path(workdir) / "audit"
+    audit.mkdir()
+    watched = [str(Path(workdir) / d) for d in ("driver-only", "outputs", "outputs-async", "cache")]
     try:
-        ray.init(address=cluster.address)
-        raw = yaml.safe_load((ROOT / "pipelines" / "quickstart.yaml").read_text())
-        raw["data"]["prompts_per_step"] = 4
-        raw["trainer"].update(total_steps=2, dp_size=2, backend="fsdp2", output_dir=f"{workdir}/outputs")
-        raw["resources"] = {"placement": {"actor": "node_a", "rollout": "node_b"}}
-        raw["tracking"] = {"enabled": False}
-        recorder = Recorder()
-        result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), observer=recorder)
-        final = Path(result.output_dir) / "final" / "model.safetensors"
-        report = {
-            "final_model": final.is_file(),
-            "node_a": node_a.node_id, "node_b": node_b.node_id, "status": recorder.status,
-            "records": [{"step": r.step, "kind": r.kind, "worker": r.worker} for r in recorder.records],
-        }
+        ray.init(address=cluster.address, runtime_env={"worker_process_setup_hook": audit_hook(watched, str(audit))})
+        report = {**sync_runs(workdir), "node_a": node_a.node_id, "node_b": node_b.node_id}
         report["async"] = separate_async(workdir)
+        report["audit"] = [json.loads(line) for f in sorted(audit.glob("*.jsonl")) for line in f.read_text().splitlines()]
         print(json.dumps(report))
     finally:
         ray.shutdown()

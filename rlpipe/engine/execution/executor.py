@@ -34,6 +34,9 @@ class Backend(Protocol):
     """Where stages physically run (Ray: rlpipe.engine.execution.ray_runtime; in-process: rlpipe.engine.execution.inline)."""
 
     workers: Any
+    shared_filesystem: bool
+    """Workers see the driver's paths (resources.shared_filesystem): trainer ranks write checkpoints and saved
+    models into the output folder themselves; otherwise their files come to the driver through the object store."""
 
     def group_size(self, role: str) -> int: ...
 

@@ -56,6 +56,9 @@ class LocalWorkerCalls(DeferredCalls):
 class InlineBackend:
     """Runs every stage in this process against locally built worker states."""
 
+    shared_filesystem = True
+    """One process: the workers see the driver's files."""
+
     def __init__(self, config: PipelineConfig, roles: set[str]):
         self.sharded: dict[str, bool] = {}
         states: dict[str, list[Any]] = {}

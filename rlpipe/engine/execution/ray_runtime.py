@@ -23,6 +23,7 @@ from rlpipe.engine import interrupt
 from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.wire import register_arrow_ipc
+from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES
@@ -79,11 +80,16 @@ def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[Stage
 class WorkerActor:
     """Hosts one worker of one role; runs worker stages and role methods."""
 
-    def __init__(self, role: str, rank: int, world_size: int, config: dict, dist_address: str | None):
+    def __init__(self, role: str, rank: int, world_size: int, config: dict, dist_address: str | None,
+                 shipped: ShippedDirs | None = None):
         load_plugins()
         register_arrow_ipc()
         logging.basicConfig(level=logging.INFO)
         self.role = role
+        self.local_dirs: dict[str, str] = {}
+        """Model folders this worker reads from its node's cache instead of the driver's path (driver → local)."""
+        if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
+            config, self.local_dirs = localize(config, shipped)
         self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
 
     def ready(self) -> str:
@@ -93,6 +99,10 @@ class WorkerActor:
     def node(self) -> str:
         """The id of the Ray node this worker runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def model_dirs(self) -> dict[str, str]:
+        """Driver path → the node-local copy this worker loaded instead (empty: it read the driver's paths)."""
+        return dict(self.local_dirs)
 
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
         return run_stage(kind, impl, params, batch, ctx, self.state)
@@ -132,7 +142,7 @@ class WorkerGroup:
     """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it."""
 
     def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
-                 node_resource: str | None = None, gpus: float = 0):
+                 node_resource: str | None = None, gpus: float = 0, shipped: ShippedDirs | None = None):
         self.role = role
         self.sharded = sharded
         self.placement_group = None
@@ -148,7 +158,7 @@ class WorkerGroup:
         tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         self.actors = [
             WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{role}:{rank}:{tag}", **options[rank])
-            .remote(role, rank, size, config, address)
+            .remote(role, rank, size, config, address, shipped)
             for rank in range(size)
         ]
         self.nodes: list[str] = []
@@ -203,21 +213,23 @@ class WorkerGroup:
 class RayBackend:
     """How the executor runs stages on Ray: tasks, worker actors, and the driver-stage facade."""
 
-    def __init__(self, groups: dict[str, WorkerGroup]):
+    def __init__(self, groups: dict[str, WorkerGroup], shared_filesystem: bool = True):
         self.groups = groups
+        self.shared_filesystem = shared_filesystem
         self.workers = RayWorkerCalls(groups)
 
     @classmethod
-    def start(cls, config, roles: set[str]) -> "RayBackend":
-        """Start one worker group per role (all concurrently: DP ranks rendezvous while starting)."""
+    def start(cls, config, roles: set[str], shipped: ShippedDirs | None = None) -> "RayBackend":
+        """Start one worker group per role (all concurrently: DP ranks rendezvous while starting); ``shipped``:
+        the model folders packed into the object store (resources.shared_filesystem false), or None."""
         config_dict = config.model_dump(mode="json")
         groups = {}
         for role in sorted(roles):
             spec = WORKER_ROLES.get(role)
             gpus = config.resources.gpus_per_worker if spec.holds_model else 0
             groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
-                                       config.resources.placement.get(role), gpus)
-        backend = cls(groups)
+                                       config.resources.placement.get(role), gpus, shipped)
+        backend = cls(groups, shared_filesystem=shipped is None)
         try:
             for group in groups.values():
                 group.ready()
@@ -252,6 +264,10 @@ class RayBackend:
 
     def group_size(self, role: str) -> int:
         return self.groups[role].size if role in self.groups else 1
+
+    def model_dirs(self, role: str) -> list[dict[str, str]]:
+        """Per worker of ``role``: driver path → the node-local copy it loaded (empty: it read the driver's paths)."""
+        return ray.get([a.model_dirs.remote() for a in self.groups[role].actors])
 
     def group_nodes(self, role: str) -> list[str]:
         """Ray node ids of the role's workers (one per rank; lineage records them)."""

@@ -13,6 +13,10 @@ A checkpoint is taken between two global steps, in ``<output_dir>/checkpoints/st
   hash (everything it computes), the next step and, per file, its size and blake2b
   checksum. Its presence marks a complete checkpoint.
 
+With ``resources.shared_filesystem`` false the trainer ranks write nothing: they return their files'
+bytes through the object store, the driver writes them (:func:`write_files`), and a resume sends each
+rank its files back after checking them against the manifest again.
+
 No pickle anywhere (see :mod:`rlpipe.engine.state.safe_io`): a crafted file is refused, never
 executed. :func:`read_engine_state` verifies the manifest *before anything starts* — every
 file's size and checksum (a truncated or altered file is named), and the identity hash (a
@@ -37,7 +41,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlpipe.engine.state.safe_io import blake2b_file, load_state, save_state, write_atomic
+from rlpipe.engine.state.safe_io import blake2b_file, load_state, save_state, state_files, write_atomic
 from rlpipe.errors import ConfigError, RlpipeError
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Fields that may differ between the run that wrote a checkpoint and the run that resumes it:
 # where things go and how they are observed, not what is computed.
 _NOT_COMPUTED = {"trainer": ("output_dir", "checkpoint_every", "save_every", "keep_checkpoints", "torch_threads"),
-                 "resources": ("ray_address", "num_cpus"), "tracking": None}
+                 "resources": ("ray_address", "num_cpus", "shared_filesystem", "node_cache_dir"), "tracking": None}
 # What makes a pipeline the same pipeline: its checkpoint belongs to no other.
 _IDENTITY = ("name", "model", "tokenizer", "mode")
 
@@ -101,9 +105,9 @@ def _check_visible(role: str, files: list[str]) -> None:
     if missing:
         raise CheckpointError(
             f"the {role} workers wrote {missing[0]} (and {len(missing) - 1} more) on a node whose files this "
-            "driver does not see, so the checkpoint would be incomplete: on a multi-node cluster put "
-            "trainer.output_dir on storage every node mounts, or place the trainer on the driver's node "
-            "(resources.placement); see README, 'Multi-node'"
+            "driver does not see, so the checkpoint would be incomplete: on a cluster whose nodes do not share "
+            "trainer.output_dir set resources.shared_filesystem: false (the files then come to the driver through "
+            "the object store), or put trainer.output_dir on storage every node mounts; see README, 'Multi-node'"
         )
 
 
@@ -114,9 +118,14 @@ def save(runtime, next_step: int) -> Path:
     (path / MANIFEST).unlink(missing_ok=True)  # rewriting a folder: incomplete until the new manifest lands
     _check_free_disk(runtime, path)
     for role in TRAINER_ROLES:
-        if runtime.workers.has_role(role):
+        if not runtime.workers.has_role(role):
+            continue
+        if runtime.backend.shared_filesystem:
             written = runtime.workers.call(role, "save_checkpoint", str(path / role))
             _check_visible(role, [f for rank_files in written for f in (rank_files or [])])
+        else:  # the ranks' files come through the object store; the driver alone writes output_dir
+            for future in runtime.workers.call_async(role, "checkpoint_files", role):
+                write_files(path, runtime.workers.resolve([future])[0], f"a {role} rank")  # one rank's files at a time
     state: dict[str, Any] = {
         "next_step": next_step,
         "policy_version": runtime.executor.policy_version,
@@ -140,6 +149,20 @@ def save(runtime, next_step: int) -> Path:
     write_atomic(path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     prune(path.parent, runtime.config.trainer.keep_checkpoints)
     return path
+
+
+def write_files(folder: Path, files: dict[str, bytes], sender: str) -> list[Path]:
+    """Write files a worker sent (name → bytes) into ``folder``, each atomically; a name that is not a plain
+    file name is refused (a worker never chooses where in the driver's filesystem its bytes land)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, data in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or name.endswith(".tmp"):
+            raise RlpipeError(f"{sender} sent a file named {name!r} to write into {folder}; refused (only plain "
+                              "file names are written)")
+        written.append(folder / name)
+        write_atomic(written[-1], data)
+    return written
 
 
 def _check_free_disk(runtime, path: Path) -> None:
@@ -248,6 +271,21 @@ def _check_parses(path: Path, manifest: dict[str, Any]) -> None:
             ) from None
 
 
+def _verified(path: Path, manifest: dict[str, Any], files: dict[str, bytes]) -> dict[str, bytes]:
+    """``files`` (read from checkpoint ``path`` to send to a worker), each checked against the manifest again:
+    the folder may have changed since :func:`read_engine_state` verified it."""
+    if not files:
+        raise CheckpointError(f"checkpoint {path} holds no trainer files for a worker of this run; resume with the "
+                              "trainer.dp_size that wrote it")
+    for name, data in files.items():
+        entry = manifest["files"].get(name)
+        digest = hashlib.blake2b(data, digest_size=32).hexdigest()
+        if entry is None or entry["bytes"] != len(data) or entry["blake2b"] != digest:
+            raise CheckpointError(f"checkpoint {path} is damaged: {path / name} does not match manifest.json (changed "
+                                  "after the resume started?); resume from another checkpoint")
+    return files
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     file = path / MANIFEST
     if not file.is_file():
@@ -275,8 +313,17 @@ def restore(runtime, path: str | Path, state: dict[str, Any]) -> None:
     """Load a checkpoint into a freshly started runtime and push the restored weights to the rollout."""
     path = Path(path).absolute()
     for role in TRAINER_ROLES:
-        if runtime.workers.has_role(role):
+        if not runtime.workers.has_role(role):
+            continue
+        if runtime.backend.shared_filesystem:
             runtime.workers.call(role, "load_checkpoint", str(path / role))
+            continue
+        manifest = _read_manifest(path)
+        futures = []
+        for rank in range(runtime.backend.group_size(role)):  # each rank gets its own files, verified again here
+            files = _verified(path, manifest, state_files(path, f"{role}_rank{rank}"))
+            futures += runtime.workers.call_async(role, "load_checkpoint_files", role, files, rank=rank)
+        runtime.workers.resolve(futures)
     version = state["policy_version"]
     buckets = runtime.workers.call_async("actor", "export_weights")[0]
     runtime.workers.call("rollout", "push_weights", buckets, version)

@@ -100,37 +100,56 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def save_state(state: Any, folder: Path, stem: str) -> list[Path]:
-    """Write ``state`` as ``<stem>.json`` (+ ``<stem>.safetensors``, ``<stem>.table<i>.arrow``); returns the files."""
+def encode_state(state: Any, stem: str) -> dict[str, bytes]:
+    """``state`` as the bytes of ``<stem>.safetensors`` (if it holds tensors), ``<stem>.table<i>.arrow`` and
+    ``<stem>.json`` (last), by file name: what :func:`save_state` writes, or what travels to another node."""
     from safetensors.torch import save as save_tensors
 
     tree, tensors, tables = split_state(state, f"{stem}.table")
-    files = []
+    files: dict[str, bytes] = {}
     if tensors:
-        files.append(folder / f"{stem}.safetensors")
-        write_atomic(files[-1], save_tensors(tensors))
+        files[f"{stem}.safetensors"] = save_tensors(tensors)
     for name, table in tables.items():
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
+        files[name] = sink.getvalue().to_pybytes()
+    files[f"{stem}.json"] = json.dumps({"format": 1, "state": tree}, allow_nan=True).encode()
+    return files
+
+
+def decode_state(files: dict[str, bytes], stem: str) -> Any:
+    """Inverse of :func:`encode_state`; parses data only (JSON, safetensors, Arrow IPC)."""
+    from safetensors.torch import load as load_tensors
+
+    document = json.loads(files[f"{stem}.json"])
+    tensor_bytes = files.get(f"{stem}.safetensors")
+    tensors = load_tensors(tensor_bytes) if tensor_bytes is not None else {}
+    prefix = f"{stem}.table"
+    tables = {name: pa.ipc.open_file(pa.BufferReader(data)).read_all()
+              for name, data in files.items() if name.startswith(prefix) and name.endswith(".arrow")}
+    return join_state(document["state"], tensors, tables)
+
+
+def state_files(folder: Path, stem: str) -> dict[str, bytes]:
+    """The bytes of every file :func:`save_state` wrote for ``stem`` in ``folder`` (no mmap: may be pruned)."""
+    names = [f"{stem}.json", f"{stem}.safetensors"] + sorted(p.name for p in folder.glob(f"{stem}.table*.arrow"))
+    return {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
+
+
+def save_state(state: Any, folder: Path, stem: str) -> list[Path]:
+    """Write ``state`` as ``<stem>.json`` (+ ``<stem>.safetensors``, ``<stem>.table<i>.arrow``); returns the files.
+    Each file is atomic; the JSON, which refers to the others, is written last."""
+    files = []
+    for name, data in encode_state(state, stem).items():
         files.append(folder / name)
-        write_atomic(files[-1], sink.getvalue().to_pybytes())
-    files.append(folder / f"{stem}.json")
-    write_atomic(files[-1], json.dumps({"format": 1, "state": tree}, allow_nan=True).encode())
+        write_atomic(files[-1], data)
     return files
 
 
 def load_state(folder: Path, stem: str) -> Any:
     """Read what :func:`save_state` wrote; parses data only (JSON, safetensors, Arrow IPC)."""
-    from safetensors.torch import load_file
-
-    document = json.loads((folder / f"{stem}.json").read_text())
-    tensor_file = folder / f"{stem}.safetensors"
-    tensors = load_file(str(tensor_file)) if tensor_file.exists() else {}
-    tables = {}
-    for file in sorted(folder.glob(f"{stem}.table*.arrow")):
-        tables[file.name] = pa.ipc.open_file(pa.BufferReader(file.read_bytes())).read_all()  # no mmap: may be pruned
-    return join_state(document["state"], tensors, tables)
+    return decode_state(state_files(folder, stem), stem)
 
 
 def blake2b_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -347,6 +347,31 @@ class TrainState:
         target = Path(f"{prefix}_rank{self.rank}")
         self.load_state_dict(load_state(target.parent, target.name))
 
+    def checkpoint_files(self, stem: str) -> dict[str, bytes]:
+        """This rank's state as the files :meth:`save_checkpoint` would write for prefix ``stem`` (name → bytes),
+        for a driver on another node to write (resources.shared_filesystem false); no pickle."""
+        from rlpipe.engine.state.safe_io import encode_state
+
+        return encode_state(self.state_dict(), f"{stem}_rank{self.rank}")
+
+    def load_checkpoint_files(self, stem: str, files: dict[str, bytes]) -> None:
+        """Load the files :meth:`checkpoint_files` made (sent back by the driver); parses data only."""
+        from rlpipe.engine.state.safe_io import decode_state
+
+        self.load_state_dict(decode_state(files, f"{stem}_rank{self.rank}"))
+
+    def hf_files(self) -> dict[str, bytes]:
+        """:meth:`save_hf` into a node-local temporary folder, returned as file name → bytes on rank 0 (empty on the
+        others, which only take part in a sharded model's gathers); the driver writes them."""
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory(prefix="rlpipe-hf-") as tmp:
+            self.save_hf(tmp)
+            if self.rank != 0:
+                return {}
+            return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
     def checkpoint_bytes(self) -> int:
         """Estimated size of this rank's checkpoint: the model plus AdamW's two moments."""
         return 3 * sum(self.backend.local(p).numel() * p.element_size() for p in self.model.parameters())
