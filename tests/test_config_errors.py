@@ -34,6 +34,8 @@ CASES = {
                                                r".*fix data\.params\.path"),
     "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl has no field 'prompt'; fields: "
                                                      r"\['question', 'ground_truth', 'data_source'\]"),
+    "bad_scorer_params.yaml": (ConfigError, r"scorer_params\.code\.timeout_s: Input should be a valid number "
+                                            r"\(got 'ten seconds'\)"),
     "non_utf8_yaml.yaml": (ConfigError, r"non_utf8_yaml\.yaml: not UTF-8 text \(byte 0xe9 on line 1\); save the "
                                         r"pipeline YAML as UTF-8"),
     "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl: not UTF-8 text \(near line 1\); convert the file to UTF-8"),
