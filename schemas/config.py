@@ -183,7 +183,9 @@ class TrainerConfig(Strict):
     metric. Non-finite *parameters* after an optimizer step always fail the run (it cannot be undone)."""
     max_zero_grad_updates: int = Field(3, ge=0)
     """Fail the run after this many consecutive local updates whose gradient norm is exactly 0 while
-    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr); 0 disables."""
+    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr), before that
+    step's weight push; 0 disables. The streak so far is the `actor/zero_grad_streak` metric of every
+    step (the alarm to watch). There is no skip for it: a zero gradient holds nothing to drop."""
     max_failed_steps: int = Field(3, ge=0)
     """Fail the run after this many consecutive steps whose every row is an infrastructure failure
     (status `failed`, e.g. the reward sandbox is down); a single such step is a warning. 0 disables."""
