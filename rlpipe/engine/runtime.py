@@ -151,6 +151,8 @@ class Runtime:
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
+        checkpoint.check_free_disk(Path(path), checkpoint.model_bytes(self), f"the model {tag!r}",
+                                   "set trainer.save_every: 0")
         self.workers.call("actor", "save_hf", path)
         self.observer.on_artifact(path, f"model/{tag}")
         return path
@@ -215,6 +217,9 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         if resumed:
             phase("restoring the checkpoint")
             checkpoint.restore(runtime, resume_from, resumed)
+        # the final model must fit: a full disk found now, not after all the training (checked again at the save)
+        checkpoint.check_free_disk(Path(runtime.output_dir), checkpoint.model_bytes(runtime), "the final model",
+                                   "lower the model's size")
         mode = mode_cls(runtime, plan.mode_params)
         phase(f"step {runtime.start_step} (the first: warm-up)")
         mode.run()
