@@ -82,3 +82,16 @@ def test_overrides_address_nested_fields_and_stages_by_name():
         apply_override(raw, "stages.critic.params.x=1")
     with pytest.raises(ConfigError, match="must look like dotted.key=value"):
         apply_override(raw, "trainer.total_steps")
+
+
+def test_validate_never_starts_ray():
+    """issue 14 part 4: every check above runs without Ray (it is not even imported)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom pathlib import Path\nfrom rlpipe.cli import main\n"
+              f"codes = [main(['validate', str(p)]) for p in sorted(Path({str(FIXTURES)!r}).glob('*.yaml'))]\n"
+              "print(sorted(set(codes)), 'ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=FIXTURES.parents[1])
+    assert out.stdout.strip().splitlines()[-1] == "[2] False", out.stdout[-2000:] + out.stderr[-2000:]
