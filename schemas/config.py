@@ -14,12 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 def refuse_bool_for_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """YAML's ``true`` is not a number: a bool given for an int/float field (``total_steps: true``,
-    which pydantic would read as 1) is an error naming the field."""
-    if isinstance(value, bool) and info.field_name:
+    which pydantic would read as 1) is an error naming the field. A quoted string for an integer field
+    (``total_steps: "5"``) is refused too. Strings stay allowed for floats: YAML 1.1 reads ``1e-5``
+    (no dot) as a string, and pydantic parses it, as users expect."""
+    if isinstance(value, (bool, str)) and info.field_name:
         annotation = model.model_fields[info.field_name].annotation
         kinds = {annotation, *getattr(annotation, "__args__", ())}
-        if bool not in kinds and kinds & {int, float}:
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}; write a number")
+        if isinstance(value, str) and int in kinds and not kinds & {str, float, bool}:
+            raise ValueError(f"expected an integer, got the string {value!r}; write the number without quotes")
     return value
 
 

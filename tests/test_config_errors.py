@@ -30,6 +30,8 @@ CASES = {
     "long_name.yaml": (ConfigError, r"name: String should have at most 100 characters \(got 'xxx.*\.\.\. \(300 long\)\)"),
     "negative_seed.yaml": (ConfigError, r"seed: Input should be greater than or equal to 0 \(got -1\)"),
     "bool_total_steps.yaml": (ConfigError, r"trainer\.total_steps: expected a number, got the boolean true; write a number"),
+    "quoted_total_steps.yaml": (ConfigError, r"trainer\.total_steps: expected an integer, got the string '5'; write "
+                                             r"the number without quotes"),
     "missing_dataset_file.yaml": (ConfigError, r"dataset file 'tests/fixtures/data/does_not_exist\.jsonl' does not exist"
                                                r".*fix data\.params\.path"),
     "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl has no field 'prompt'; fields: "
