@@ -8,6 +8,7 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from rlpipe import cli_lineage
@@ -46,26 +47,46 @@ def main(argv: list[str] | None = None) -> int:
                         help="send them to this store instead of the one the run used")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
+    where: dict[str, str] = {}  # the run's output_dir once its config is read: the error log goes there
     try:
         if args.command == "validate":
             return _validate(args.pipeline, args.override)
         if args.command == "run":
             if (args.fork or args.extend) and not args.resume:
                 raise ConfigError("--fork and --extend go with --resume CHECKPOINT_DIR (the checkpoint to go on from)")
-            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend)
+            return _run(args.pipeline, args.override, args.resume, args.inline, args.log_every, args.fork, args.extend,
+                        where)
         if args.command in ("lineage", "replay", "runs"):
             return cli_lineage.run_command(args)
         if args.command == "spool":
             return _spool_replay(args.path, args.tracking_uri)
         return _stages()
     except RlpipeError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
-        return 2
+        if args.command != "run":  # validate and the readers: the whole message (a config's every bad field)
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            return 2
+        return _run_failed(exc, sys.argv[1:] if argv is None else argv, where.get("output_dir"))
     except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly
         code = getattr(exc, "exit_code", 130)
         console.print(f"[bold yellow]interrupted[/]: {exc or 'stopped by SIGINT'}; the run is marked KILLED and its "
                       "workers are closed", highlight=False, markup=True, soft_wrap=True)
         return code
+    except Exception as exc:  # noqa: BLE001 - a run fails in one line, whatever broke; the traceback is in the log
+        if args.command != "run":
+            raise
+        return _run_failed(exc, sys.argv[1:] if argv is None else argv, where.get("output_dir"))
+
+
+def _run_failed(exc: BaseException, argv: list[str], output_dir: str | None) -> int:
+    """One line on the terminal, the details (full text, traceback, causes) in the error log; exit status 2."""
+    from rlpipe import error_log
+
+    path = error_log.write(exc, argv, output_dir)
+    kind = "" if isinstance(error_log.root(exc), RlpipeError) else f"{type(error_log.root(exc)).__name__}: "
+    details = f" (details: {path})" if path else ""
+    console.print(f"[bold red]error:[/] {escape(kind + error_log.one_line(exc) + details)}", highlight=False,
+                  markup=True, soft_wrap=True)
+    return 2
 
 
 def _validate(path: str, overrides: list[str]) -> int:
@@ -86,7 +107,7 @@ def _validate(path: str, overrides: list[str]) -> int:
 
 
 def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1,
-         fork: bool = False, extend: bool = False) -> int:
+         fork: bool = False, extend: bool = False, where: dict[str, str] | None = None) -> int:
     import time
 
     from rlpipe.engine import interrupt
@@ -96,6 +117,8 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
     from rlpipe.progress import RunEnd, reporter
 
     config, text = load_pipeline(path, overrides)
+    if where is not None:
+        where["output_dir"] = config.trainer.output_dir
     interrupt.install()
     started = time.time()
     progress = reporter(config.name, config.trainer.total_steps, every=log_every)

@@ -14,12 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 def refuse_bool_for_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """YAML's ``true`` is not a number: a bool given for an int/float field (``total_steps: true``,
-    which pydantic would read as 1) is an error naming the field."""
-    if isinstance(value, bool) and info.field_name:
+    which pydantic would read as 1) is an error naming the field. A quoted string for an integer field
+    (``total_steps: "5"``) is refused too. Strings stay allowed for floats: YAML 1.1 reads ``1e-5``
+    (no dot) as a string, and pydantic parses it, as users expect."""
+    if isinstance(value, (bool, str)) and info.field_name:
         annotation = model.model_fields[info.field_name].annotation
         kinds = {annotation, *getattr(annotation, "__args__", ())}
-        if bool not in kinds and kinds & {int, float}:
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}; write a number")
+        if isinstance(value, str) and int in kinds and not kinds & {str, float, bool}:
+            raise ValueError(f"expected an integer, got the string {value!r}; write the number without quotes")
     return value
 
 
@@ -183,7 +187,9 @@ class TrainerConfig(Strict):
     metric. Non-finite *parameters* after an optimizer step always fail the run (it cannot be undone)."""
     max_zero_grad_updates: int = Field(3, ge=0)
     """Fail the run after this many consecutive local updates whose gradient norm is exactly 0 while
-    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr); 0 disables."""
+    their advantages are not all 0 (a saturated, diverged model: e.g. a far too large lr), before that
+    step's weight push; 0 disables. The streak so far is the `actor/zero_grad_streak` metric of every
+    step (the alarm to watch). There is no skip for it: a zero gradient holds nothing to drop."""
     max_failed_steps: int = Field(3, ge=0)
     """Fail the run after this many consecutive steps whose every row is an infrastructure failure
     (status `failed`, e.g. the reward sandbox is down); a single such step is a warning. 0 disables."""

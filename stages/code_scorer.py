@@ -44,10 +44,19 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from pydantic import Field, ValidationError
 
 from rlpipe.agents.sandbox import SandboxLimits, run_python
 from rlpipe.agents.tools import ToolInfraError
-from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError, TextColumn, texts
+from rlpipe.stages.scorers import (
+    SCORERS,
+    ScorerError,
+    ScorerInfraError,
+    ScorerOptions,
+    TextColumn,
+    texts,
+    with_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -159,25 +168,30 @@ def run_tests(code: str, tests: list[str], limits: SandboxLimits) -> float:
     return passed[-1] / len(tests) if passed else 0.0  # no result: timeout, limit or crash → what passed: none
 
 
-@SCORERS.register("code")
-def code(
-    responses: TextColumn,
-    ground_truths: TextColumn,
-    *,
-    timeout_s: float = 5.0,
-    memory_mb: int = 1024,
-    max_file_mb: int = 16,
-    max_workers: int = 4,
-) -> np.ndarray:
-    """Fraction of the ground truth's unit tests passed; timeouts, limits and crashes score what passed (0).
+class CodeScorerOptions(ScorerOptions):
+    """Options of the ``code`` scorer (reward ``scorer_params.code``)."""
 
-    ``timeout_s``: wall-clock seconds for the solution and its tests (the sandbox adds ``STARTUP_S``);
-    ``memory_mb``: address-space limit; ``max_file_mb``: largest file it may write (in its own directory);
-    ``max_workers``: sandboxes run at once."""
-    if memory_mb < 32 or timeout_s <= 0 or max_file_mb < 1 or max_workers < 1:
-        raise ScorerError(f"code scorer needs memory_mb >= 32, timeout_s > 0, max_file_mb >= 1 and max_workers >= 1 "
-                          f"(got {memory_mb}, {timeout_s}, {max_file_mb}, {max_workers}); fix reward "
-                          "scorer_params.code")
+    timeout_s: float = Field(5.0, gt=0)
+    """Wall-clock seconds for the solution and its tests (the sandbox adds its start-up time)."""
+    memory_mb: int = Field(1024, ge=32)
+    """Address-space limit of the sandboxed interpreter, in MiB."""
+    max_file_mb: int = Field(16, ge=1)
+    """Largest file the solution may write (in its own directory), in MiB."""
+    max_workers: int = Field(4, ge=1)
+    """Sandboxes run at once."""
+
+
+@SCORERS.register("code")
+@with_options(CodeScorerOptions)
+def code(responses: TextColumn, ground_truths: TextColumn, **options) -> np.ndarray:
+    """Fraction of the ground truth's unit tests passed; timeouts, limits and crashes score what passed (0).
+    ``options``: :class:`CodeScorerOptions` (a bad value raises a ScorerError naming ``scorer_params.code``)."""
+    try:
+        opts = CodeScorerOptions.model_validate(options)
+    except ValidationError as exc:
+        raise ScorerError(f"code scorer: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}; fix reward "
+                          "scorer_params.code") from None
+    timeout_s, memory_mb, max_file_mb, max_workers = opts.timeout_s, opts.memory_mb, opts.max_file_mb, opts.max_workers
     test_lists = []
     for i, truth in enumerate(texts(ground_truths)):
         tests = parse_tests(truth)

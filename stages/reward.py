@@ -40,7 +40,6 @@ stage decoded it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from typing import Any
@@ -68,7 +67,7 @@ from rlpipe.schemas.batch import (
 from rlpipe.stage import StageContext, StageParams, StageResult, cols, stage
 from rlpipe.stages import reward_function
 from rlpipe.stages.reward_function import RewardFunction
-from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError
+from rlpipe.stages.scorers import SCORERS, ScorerError, ScorerInfraError, check_options
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +102,7 @@ class RuleRewardParams(StageParams):
             if name not in SCORERS:
                 raise ValueError(f"unknown scorer {name!r}; known scorers: {', '.join(SCORERS.names())}")
         for name, options in self.scorer_params.items():
-            try:
-                inspect.signature(SCORERS.get(name)).bind([], [], **options)
-            except TypeError as exc:
-                raise ValueError(f"scorer_params.{name}: {exc}; see the scorer's keyword options") from None
+            check_options(name, options)  # each scorer's own options model (rlpipe.stages.scorers.options_model)
         return self
 
 

@@ -3,9 +3,12 @@
 A scorer is ``fn(responses, ground_truths, **kwargs) -> np.ndarray[float32]`` with
 one score in [0, 1] per row; ``responses`` and ``ground_truths`` are lists of
 strings or Arrow string arrays (nulls read as ""); keyword arguments are its
-options (``scorer_params`` of the reward stage, checked against the signature, so
-a scorer declares them explicitly rather than swallowing ``**kwargs``). The
-``reward`` stage routes each row to a scorer by its ``data_source``.
+options (``scorer_params`` of the reward stage). Each scorer's options are typed by its
+own pydantic model (:func:`options_model`): the one it declares with
+:func:`with_options`, else one built from its keyword parameters' annotations and
+defaults, so ``validate`` refuses an unknown option or a bad value (``timeout_s: "ten"``,
+``memory_mb: 1``, ``true`` for a number) before anything starts, naming the scorer and the
+option. The ``reward`` stage routes each row to a scorer by its ``data_source``.
 
 Built-ins:
 
@@ -26,12 +29,14 @@ Built-ins:
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
@@ -59,6 +64,57 @@ class ScorerInfraError(RlpipeError):
 
     def __reduce__(self):  # keep the fields across processes
         return (type(self), (str(self), self.failed, self.scores))
+
+
+class ScorerOptions(BaseModel):
+    """Base of a scorer's options model: unknown options are errors; values are strict (no "10" for 10,
+    no booleans for numbers, no inf/nan)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, use_attribute_docstrings=True)
+
+
+def with_options(model: type[ScorerOptions]) -> Callable[[Callable], Callable]:
+    """Decorator: the scorer's options are ``model``'s fields (the scorer takes them as keyword arguments)."""
+
+    def attach(fn: Callable) -> Callable:
+        fn.options_model = model
+        return fn
+
+    return attach
+
+
+def options_model(name: str) -> type[BaseModel]:
+    """The pydantic model of scorer ``name``'s options: declared with :func:`with_options`, else built from the
+    keyword parameters after ``(responses, ground_truths)`` (unannotated ones take any value; a scorer
+    taking ``**kwargs`` accepts unknown options)."""
+    fn = SCORERS.get(name)
+    declared = getattr(fn, "options_model", None)
+    if declared is not None:
+        return declared
+    fields: dict[str, Any] = {}
+    extra = "forbid"
+    for param in list(inspect.signature(fn).parameters.values())[2:]:
+        if param.kind is param.VAR_KEYWORD:
+            extra = "allow"
+        elif param.kind is not param.VAR_POSITIONAL:
+            annotation = Any if param.annotation is param.empty else param.annotation
+            fields[param.name] = (annotation, ... if param.default is param.empty else param.default)
+    base_config = ConfigDict(**{**ScorerOptions.model_config, "extra": extra})
+    return create_model(f"{name}_options", __config__=base_config, **fields)
+
+
+def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` validated by scorer ``name``'s model (defaults filled in); a ValueError naming
+    ``scorer_params.<name>.<option>`` and what is wrong."""
+    try:
+        return options_model(name).model_validate(options).model_dump()
+    except ValidationError as exc:
+        problems = "; ".join(f"scorer_params.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+                             if e["type"] != "extra_forbidden" else
+                             f"scorer_params.{name}.{'.'.join(map(str, e['loc']))}: unknown option of scorer {name!r}"
+                             f" (its options: {', '.join(options_model(name).model_fields) or 'none'})"
+                             for e in exc.errors())
+        raise ValueError(problems) from None
 
 
 def texts(values: TextColumn) -> list[str]:

@@ -79,6 +79,8 @@ def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageRes
     metrics.pop("actor/skipped", None)
     metrics["actor/nonfinite_alarm"] = float(sum(history.get("skipped", [0.0])) > 0)
     metrics["actor/skipped_updates"] = float(state.skipped_updates)
+    # the alarm before trainer.max_zero_grad_updates fails the run: consecutive zero-norm updates with a learning signal
+    metrics["actor/zero_grad_streak"] = float(state.zero_grad_streak)
     return StageResult(metrics=metrics)
 
 

@@ -40,6 +40,32 @@ def ray_session():
     ray.shutdown()
 
 
+_HANG = {"release": None}  # the Event the hanging scorer waits on; a fresh one per test
+
+
+def _hangs(responses, ground_truths):
+    """A reward function that does not return until its test ends (or 120 s pass)."""
+    _HANG["release"].wait(120)
+    import numpy as np
+
+    return np.ones(len(responses), np.float32)
+
+
+@pytest.fixture
+def hanging_scorer():
+    """Name of a registered scorer that never returns while the test runs (a reward sandbox that hangs).
+
+    At teardown it is released, so the calls the run abandoned on daemon threads end with the test
+    instead of holding a thread (and its rows) for 120 s into the next tests."""
+    from rlpipe.stages.scorers import SCORERS
+
+    if "test_hangs" not in SCORERS:
+        SCORERS.add("test_hangs", _hangs)
+    _HANG["release"] = release = __import__("threading").Event()
+    yield "test_hangs"
+    release.set()
+
+
 class Recorder:
     """An observer that keeps every node record and every step's full final batch (for tests)."""
 

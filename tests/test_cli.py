@@ -125,3 +125,23 @@ def test_validate_of_a_broken_pipeline_exits_two_with_the_reason(capsys):
     assert main(["validate", str(ROOT / "tests" / "fixtures" / "unknown_impl.yaml")]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "known:" in err
+
+
+def test_a_run_that_fails_prints_one_line_and_keeps_the_details_in_a_log_file(tmp_path, capsys):
+    """issue 14 part 4: a runtime failure is one line naming where it failed, exit 2, the traceback in a file."""
+    code = main(["run", str(ROOT / "pipelines" / "quickstart.yaml"), "--inline", "-o", "tracking.enabled=false",
+                 "-o", "trainer.total_steps=4", "-o", "data.prompts_per_step=4", "-o", "trainer.optimizer.lr=1e30",
+                 "-o", "trainer.grad_clip=null", "-o", f"trainer.output_dir={tmp_path}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    line = errors[0]
+    assert re.search(r"error: stage 'update' \(impl 'ppo'\) failed at step \d+: NumericalError: ", line), line
+    log = Path(re.search(r"\(details: (\S+\.log)\)$", line).group(1))
+    assert log.parent == tmp_path
+    details = log.read_text()
+    assert "Traceback (most recent call last)" in details and "NumericalError" in details
+    assert "where the stage failed:" in details and "train_state.py" in details  # the trainer's own frames
+    assert "trainer.optimizer.lr=1e30" in details  # the command line

@@ -30,10 +30,16 @@ CASES = {
     "long_name.yaml": (ConfigError, r"name: String should have at most 100 characters \(got 'xxx.*\.\.\. \(300 long\)\)"),
     "negative_seed.yaml": (ConfigError, r"seed: Input should be greater than or equal to 0 \(got -1\)"),
     "bool_total_steps.yaml": (ConfigError, r"trainer\.total_steps: expected a number, got the boolean true; write a number"),
+    "quoted_total_steps.yaml": (ConfigError, r"trainer\.total_steps: expected an integer, got the string '5'; write "
+                                             r"the number without quotes"),
     "missing_dataset_file.yaml": (ConfigError, r"dataset file 'tests/fixtures/data/does_not_exist\.jsonl' does not exist"
                                                r".*fix data\.params\.path"),
     "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl has no field 'prompt'; fields: "
                                                      r"\['question', 'ground_truth', 'data_source'\]"),
+    "bad_scorer_params.yaml": (ConfigError, r"scorer_params\.code\.timeout_s: Input should be a valid number "
+                                            r"\(got 'ten seconds'\)"),
+    "non_utf8_yaml.yaml": (ConfigError, r"non_utf8_yaml\.yaml: not UTF-8 text \(byte 0xe9 on line 1\); save the "
+                                        r"pipeline YAML as UTF-8"),
     "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl: not UTF-8 text \(near line 1\); convert the file to UTF-8"),
     "too_long_for_positions.yaml": (ConfigError, r"data\.max_prompt_length \(64\) \+ stages\[generate\]\.params\.max_tokens "
                                                  r"\(8\) = 72 exceeds the model's 32 positions"),
@@ -78,3 +84,16 @@ def test_overrides_address_nested_fields_and_stages_by_name():
         apply_override(raw, "stages.critic.params.x=1")
     with pytest.raises(ConfigError, match="must look like dotted.key=value"):
         apply_override(raw, "trainer.total_steps")
+
+
+def test_validate_never_starts_ray():
+    """issue 14 part 4: every check above runs without Ray (it is not even imported)."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom pathlib import Path\nfrom rlpipe.cli import main\n"
+              f"codes = [main(['validate', str(p)]) for p in sorted(Path({str(FIXTURES)!r}).glob('*.yaml'))]\n"
+              "print(sorted(set(codes)), 'ray' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=FIXTURES.parents[1])
+    assert out.stdout.strip().splitlines()[-1] == "[2] False", out.stdout[-2000:] + out.stderr[-2000:]

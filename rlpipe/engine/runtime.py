@@ -152,6 +152,8 @@ class Runtime:
 
     def save_model(self, tag: str) -> str:
         path = os.path.abspath(os.path.join(self.output_dir, tag))
+        checkpoint.check_free_disk(Path(path), checkpoint.model_bytes(self), f"the model {tag!r}",
+                                   "set trainer.save_every: 0")
         if self.backend.shared_filesystem:
             self.workers.call("actor", "save_hf", path)
         else:  # rank 0's files come through the object store; only the driver writes output_dir
@@ -226,6 +228,9 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         if resumed:
             phase("restoring the checkpoint")
             checkpoint.restore(runtime, resume_from, resumed)
+        # the final model must fit: a full disk found now, not after all the training (checked again at the save)
+        checkpoint.check_free_disk(Path(runtime.output_dir), checkpoint.model_bytes(runtime), "the final model",
+                                   "lower the model's size")
         mode = mode_cls(runtime, plan.mode_params)
         phase(f"step {runtime.start_step} (the first: warm-up)")
         mode.run()

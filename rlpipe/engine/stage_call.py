@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 import time
 from typing import Any
 
@@ -38,8 +39,10 @@ def run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: Sta
     except StageError:
         raise
     except Exception as exc:
-        log.exception("stage %s/%s failed at step %d", spec_kind, impl, ctx.step)
-        raise StageError(spec_kind, impl, ctx.step, exc) from exc
+        # the traceback travels with the error (to the driver's error log), not to the terminal: the run's
+        # failure is reported once, in one line, where it ends (rlpipe.error_log)
+        log.debug("stage %s/%s failed at step %d", spec_kind, impl, ctx.step, exc_info=True)
+        raise StageError(spec_kind, impl, ctx.step, exc, details=traceback.format_exc()) from exc
 
 
 def shard_rows(table: pa.Table, size: int, sharded: bool, dp_rank_column: str) -> list[np.ndarray]:

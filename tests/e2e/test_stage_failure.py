@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from rlpipe import error_log
 from rlpipe.engine.tracking import runs, traces
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
@@ -40,6 +41,8 @@ def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_pa
     err = info.value
     assert (err.kind, err.impl, err.step) == ("weight_sync", "breaks_at_step_1", 1)
     assert "transport to the rollout engine lost" in str(err)
+    details = error_log.write(err, ["run"], str(tmp_path)).read_text()  # what `rlpipe run` keeps in its error log
+    assert "Traceback" in details and "in breaks_at_step_1" in details  # the frame where it failed
 
     run = runs.latest_run(uri, "rlpipe-failure")
     assert run.info.status == "FAILED"
@@ -86,3 +89,19 @@ def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(ray_ses
     # step 1's partial records of the failed attempt were replaced by the resumed run's
     assert [r["node"] for r in lineage if r["step"] == 1].count("generate") == 1
     assert {r["step"] for r in lineage} == {0, 1, 2}
+
+
+def test_a_worker_stage_error_arrives_as_the_stage_error_not_rays_wrapper(ray_session, tmp_path):
+    """A stage failing on a Ray actor: the run raises the stage's own error (one line, the worker's traceback in
+    ``details`` for ``rlpipe run``'s error log), not Ray's RayTaskError whose text opens with the worker's
+    process and traceback (issue 14 part 4: one clear line)."""
+    raw = quickstart_raw(data={"prompts_per_step": 4}, tracking={"enabled": False},
+                         trainer={"total_steps": 3, "output_dir": str(tmp_path), "optimizer": {"lr": 1e30},
+                                  "grad_clip": None})
+    with pytest.raises(StageError) as info:
+        run_pipeline(validate_config(raw), "")
+    err = info.value
+    assert str(err).startswith("stage 'update' (impl 'ppo') failed at step ") and "NumericalError: " in str(err)
+    assert "ray::" not in str(err) and len(str(err).splitlines()) == 1
+    assert err.__cause__ is None and "train_state.py" in err.details  # the actor's frames, carried across Ray
+    assert "train_state.py" in error_log.write(err, ["run"], str(tmp_path)).read_text()

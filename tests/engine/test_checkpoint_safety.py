@@ -137,20 +137,32 @@ def test_only_the_newest_k_checkpoints_are_kept(tmp_path):
 
 
 def test_a_save_without_enough_free_disk_fails_before_writing(tmp_path, monkeypatch):
-    # a full disk cannot be made here without root: the free space is what shutil reports
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1000))
+    # a full disk cannot be made here without root: the free space is what shutil reports (full under checkpoints/)
+    real = shutil.disk_usage
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1000)
+                        if "checkpoints" in str(path) else real(path))
     with pytest.raises(RlpipeError, match=r"not enough free disk for the checkpoint at .*step_1: about \d+ MiB needed"):
         run_pipeline(_config(tmp_path, checkpoint_every=1), "", observer=Recorder(), inline=True)
     assert not list(tmp_path.glob("*/checkpoints/step_1/*.safetensors"))
 
 
-def test_cli_refuses_a_damaged_checkpoint_in_one_line_with_exit_2(copy, capsys):
+def test_a_disk_too_full_for_the_final_model_fails_before_the_first_step(tmp_path, monkeypatch):
+    """issue 14: a full disk failed at the final save, after all the training; now before step 0."""
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1000))
+    observer = Recorder()
+    with pytest.raises(RlpipeError, match=r"not enough free disk for the final model at .*: about \d+ MiB needed, "
+                                          r"0 MiB free"):
+        run_pipeline(_config(tmp_path, steps=3), "", observer=observer, inline=True)
+    assert observer.metrics == {} and observer.status == "FAILED"  # no step was trained for nothing
+
+
+def test_cli_refuses_a_damaged_checkpoint_in_one_line_with_exit_2(copy, capsys, tmp_path):
     from conftest import ROOT
     from rlpipe.cli import main
 
     (copy / "actor_rank0.json").write_text("{}")
     code = main(["run", str(ROOT / "pipelines" / "quickstart.yaml"), "-o", "tracking.enabled=false",
-                 "-o", "data.prompts_per_step=4", "--resume", str(copy)])
+                 "-o", "data.prompts_per_step=4", "-o", f"trainer.output_dir={tmp_path}", "--resume", str(copy)])
     assert code == 2
     err = capsys.readouterr().err
     assert "actor_rank0.json is" in err and "Traceback" not in err

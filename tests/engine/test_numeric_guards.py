@@ -88,6 +88,9 @@ def test_a_blown_up_update_stops_before_the_weight_push_and_fails_the_run(lr, me
     assert observer.status == "FAILED"
     assert observer.pushes == caught.value.step  # the failing step pushed nothing: bad weights never reach the rollout
     assert not list(tmp_path.glob("*/final"))
+    if lr == 1e6:  # the alarm metric rose on the steps before the one that failed
+        streaks = [observer.metrics[step]["actor/zero_grad_streak"] for step in sorted(observer.metrics)]
+        assert 0 < streaks[-1] < 3 and streaks == sorted(streaks), streaks
 
 
 def test_a_nan_loss_fails_naming_the_step_or_is_skipped_with_an_alarm(tmp_path, monkeypatch):

@@ -4,29 +4,15 @@ a hung scorer marks its rows failed instead of stalling the run."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
-import numpy as np
 import pytest
 
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import StageError
-from rlpipe.stages.scorers import SCORERS
 
 from conftest import Recorder, quickstart_raw
-
-RELEASE = threading.Event()
-
-
-def _never_returns(responses, ground_truths):
-    RELEASE.wait(120)
-    return np.ones(len(responses), np.float32)
-
-
-if "test_timeouts_hang" not in SCORERS:
-    SCORERS.add("test_timeouts_hang", _never_returns)
 
 
 def _raw(tmp_path, steps: int = 2, reward: dict | None = None, **reward_node) -> dict:
@@ -41,8 +27,8 @@ def _raw(tmp_path, steps: int = 2, reward: dict | None = None, **reward_node) ->
     return raw
 
 
-def test_a_hung_inline_stage_fails_the_run_naming_stage_impl_step_and_worker(tmp_path):
-    raw = _raw(tmp_path, reward={"routes": {"digits": "test_timeouts_hang"}, "scorer_timeout_s": None},
+def test_a_hung_inline_stage_fails_the_run_naming_stage_impl_step_and_worker(tmp_path, hanging_scorer):
+    raw = _raw(tmp_path, reward={"routes": {"digits": hanging_scorer}, "scorer_timeout_s": None},
                timeout_s=1.0)
     observer = Recorder()
     start = time.monotonic()
@@ -57,8 +43,8 @@ def test_a_hung_inline_stage_fails_the_run_naming_stage_impl_step_and_worker(tmp
     assert observer.status == "FAILED"
 
 
-def test_a_hung_scorer_marks_its_rows_failed_and_the_run_goes_on(tmp_path):
-    raw = _raw(tmp_path, reward={"routes": {"digits": "test_timeouts_hang"}, "scorer_timeout_s": 0.5})
+def test_a_hung_scorer_marks_its_rows_failed_and_the_run_goes_on(tmp_path, hanging_scorer):
+    raw = _raw(tmp_path, reward={"routes": {"digits": hanging_scorer}, "scorer_timeout_s": 0.5})
     observer = Recorder()
     run_pipeline(validate_config(raw), "", observer=observer, inline=True)
     assert observer.status == "FINISHED"

@@ -3,30 +3,16 @@ naming the replica; a feeder that stops making progress fails the run with each 
 
 from __future__ import annotations
 
-import threading
 import time
 
-import numpy as np
 import pytest
 
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import RlpipeError, StageError
 from rlpipe.modes.separate_async import RolloutStalled
-from rlpipe.stages.scorers import SCORERS
 
 from conftest import Recorder, quickstart_raw
-
-RELEASE = threading.Event()
-
-
-def _never_returns(responses, ground_truths):
-    RELEASE.wait(120)
-    return np.ones(len(responses), np.float32)
-
-
-if "test_async_faults_hang" not in SCORERS:
-    SCORERS.add("test_async_faults_hang", _never_returns)
 
 
 def _raw(tmp_path, steps: int, mode_params: dict | None = None, reward: dict | None = None, **reward_node) -> dict:
@@ -47,9 +33,9 @@ def _raw(tmp_path, steps: int, mode_params: dict | None = None, reward: dict | N
     return raw
 
 
-def test_a_hung_feeder_fails_the_run_with_the_replicas_state(tmp_path):
+def test_a_hung_feeder_fails_the_run_with_the_replicas_state(tmp_path, hanging_scorer):
     raw = _raw(tmp_path, steps=3, mode_params={"stall_timeout_s": 3},
-               reward={"routes": {"digits": "test_async_faults_hang"}, "scorer_timeout_s": None}, timeout_s=None)
+               reward={"routes": {"digits": hanging_scorer}, "scorer_timeout_s": None}, timeout_s=None)
     observer = Recorder()
     start = time.monotonic()
     with pytest.raises(RolloutStalled) as caught:
@@ -61,8 +47,8 @@ def test_a_hung_feeder_fails_the_run_with_the_replicas_state(tmp_path):
     assert observer.status == "FAILED"
 
 
-def test_a_reward_stage_past_its_timeout_in_the_feeder_is_a_stage_error(tmp_path):
-    raw = _raw(tmp_path, steps=2, reward={"routes": {"digits": "test_async_faults_hang"}, "scorer_timeout_s": None},
+def test_a_reward_stage_past_its_timeout_in_the_feeder_is_a_stage_error(tmp_path, hanging_scorer):
+    raw = _raw(tmp_path, steps=2, reward={"routes": {"digits": hanging_scorer}, "scorer_timeout_s": None},
                timeout_s=1.0)
     with pytest.raises(StageError) as caught:
         run_pipeline(validate_config(raw), "", observer=Recorder(), inline=True)

@@ -107,7 +107,8 @@ def test_a_sandbox_that_cannot_start_is_an_infra_error(monkeypatch):
 
 
 def test_bad_options_and_empty_tests():
-    with pytest.raises(ScorerError, match="memory_mb >= 32"):
+    with pytest.raises(ScorerError, match="code scorer: memory_mb: Input should be greater than or equal to 32; fix "
+                                          "reward scorer_params.code"):
         code(["x"], [TESTS], memory_mb=1)
     with pytest.raises(ScorerError, match="row 0: code ground truth holds no tests"):
         code(["x"], ["[]"])

@@ -123,8 +123,25 @@ def test_invalid_scores_are_an_error():
 def test_params_are_checked_against_the_registry():
     with pytest.raises(ValidationError, match="unknown scorer 'mathh'; known scorers: code, digits"):
         RuleRewardParams(routes={"gsm8k": "mathh"})
-    with pytest.raises(ValidationError, match=r"scorer_params.code: got an unexpected keyword argument 'timeout'"):
+    with pytest.raises(ValidationError, match=r"scorer_params\.code\.timeout: unknown option of scorer 'code' \(its "
+                                              r"options: timeout_s, memory_mb, max_file_mb, max_workers\)"):
         RuleRewardParams(scorer_params={"code": {"timeout": 3}})
+    # values are typed by the scorer's own model (issue 14 part 4): no strings, booleans or out-of-range numbers
+    for options, message in (({"timeout_s": "ten"}, r"scorer_params\.code\.timeout_s: Input should be a valid number"),
+                             ({"memory_mb": 1}, r"scorer_params\.code\.memory_mb: Input should be greater than or "
+                                                r"equal to 32 \(got 1\)"),
+                             ({"max_workers": True}, r"scorer_params\.code\.max_workers: Input should be a valid "
+                                                     r"integer \(got True\)"),
+                             ({"timeout_s": float("inf")}, r"scorer_params\.code\.timeout_s: Input should be a finite")):
+        with pytest.raises(ValidationError, match=message):
+            RuleRewardParams(scorer_params={"code": options})
+    # a scorer without a declared model: one built from its keyword parameters' annotations
+    with pytest.raises(ValidationError, match=r"scorer_params\.test_reward_flaky\.fail_on: Input should be a valid "
+                                              r"string \(got 3\)"):
+        RuleRewardParams(scorer_params={"test_reward_flaky": {"fail_on": 3}})
+    with pytest.raises(ValidationError, match=r"scorer_params\.digits\.strict: unknown option of scorer 'digits' "
+                                              r"\(its options: none\)"):
+        RuleRewardParams(scorer_params={"digits": {"strict": True}})
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         RuleRewardParams(route={})
     RuleRewardParams(routes={"humaneval": "code"}, scorer_params={"code": {"timeout_s": 3, "memory_mb": 512}})

@@ -271,11 +271,11 @@ class StepExecutor:
 
 def _stage_error(node: PlannedNode, step: int, exc: Exception) -> StageError:
     """The StageError of a failed node: its own, the one a Ray error wraps, or a new one naming kind, impl, step."""
+    cause = getattr(exc, "cause", None)  # Ray wraps a remote error; its `cause` is the original
+    if isinstance(cause, StageError):  # first: Ray's wrapper is itself a StageError, its text the worker's traceback
+        return cause
     if isinstance(exc, StageError):
         return exc
-    cause = getattr(exc, "cause", None)  # Ray wraps a remote error; its `cause` is the original
-    if isinstance(cause, StageError):
-        return cause
     return StageError(node.kind, node.impl, step, cause if isinstance(cause, BaseException) else exc)
 
 

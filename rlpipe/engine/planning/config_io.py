@@ -24,7 +24,7 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pipeline file {str(path)!r} does not exist; pass the path of a pipeline YAML")
-    text = path.read_text()
+    text = _utf8_text(path)
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -36,6 +36,18 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     for override in overrides:
         apply_override(raw, override)
     return validate_config(raw, source=str(path)), text
+
+
+def _utf8_text(path: Path) -> str:
+    """The file's text; a file that is not UTF-8 is a one-line ConfigError naming the line (not a raw
+    UnicodeDecodeError from deep inside the reader)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} on line {line}); save the "
+                          "pipeline YAML as UTF-8") from None
 
 
 def validate_config(raw: dict[str, Any], source: str = "pipeline") -> PipelineConfig:

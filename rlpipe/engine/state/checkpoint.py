@@ -174,13 +174,25 @@ def _check_free_disk(runtime, path: Path) -> None:
     else:
         needed = sum(sum(runtime.workers.call(role, "checkpoint_bytes"))
                      for role in TRAINER_ROLES if runtime.workers.has_role(role))
+    check_free_disk(path, needed, "the checkpoint", "lower trainer.keep_checkpoints, or set trainer.checkpoint_every: 0")
+
+
+def model_bytes(runtime) -> int:
+    """Size of the policy's weights as saved: a third of the trainers' checkpoint estimate (weights + AdamW's two
+    moments), summed over the ranks when they hold shards, one rank's when each holds the whole model."""
+    per_rank = runtime.workers.call("actor", "checkpoint_bytes")
+    return (max(per_rank) if runtime.config.trainer.backend == "replicated" else sum(per_rank)) // 3
+
+
+def check_free_disk(path: Path, needed: int, what: str, fix: str) -> None:
+    """Refuse to write ``what`` (about ``needed`` bytes, plus 10% and 1 MiB) where the disk has less free."""
     needed = int(needed * 1.1) + (1 << 20)
-    free = shutil.disk_usage(path).free
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
     if free < needed:
         raise RlpipeError(
-            f"not enough free disk for the checkpoint at {path}: about {needed / 2**20:.0f} MiB needed, "
-            f"{free / 2**20:.0f} MiB free; free space, point trainer.output_dir at a larger disk, lower "
-            "trainer.keep_checkpoints, or set trainer.checkpoint_every: 0"
+            f"not enough free disk for {what} at {path}: about {needed / 2**20:.0f} MiB needed, "
+            f"{free / 2**20:.0f} MiB free; free space, point trainer.output_dir at a larger disk, or {fix}"
         )
 
 
