@@ -49,9 +49,12 @@ quickstart: setup
 test: setup
 	$(VENV)/bin/python -m pytest
 
-# The MLflow UI on a recorded run in headless Chromium (apt-get install chromium); screenshots
-# go to $RLPIPE_SCREENSHOTS when set.
-ui-check: setup
+# The MLflow UI on a recorded run in headless Chromium: the run page, a step's trace as a timeline,
+# the trajectories table (tests/browser, out of `make test`). Debian's chromium is installed when
+# missing (sudo only when not root); screenshots go to $RLPIPE_SCREENSHOTS when set.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+ui-check: $(VENV)/.installed
+	command -v chromium >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y chromium)
 	$(VENV)/bin/python -m pytest -m browser tests/browser
 
 bench: setup

@@ -93,13 +93,37 @@ def test_the_real_run_has_a_trace_per_step_and_its_views(inline_run, lineage):
     run = client.get_run(inline_run.run_id)
     found = traces.step_traces(run.info.experiment_id, inline_run.run_id, inline_run.tracking_uri)
     assert sorted(found) == [0, 1, 2, 3]
-    spans = sorted((s for s in found[2].data.spans if s.parent_id), key=lambda s: s.start_time_ns)
-    assert [s.name for s in spans] == [r["node"] for r in lineage if r["step"] == 2]
-    assert spans[0].attributes["rlpipe.worker"] == "rollout×1" and spans[0].attributes["rlpipe.rows_out"] == 32
+    for step, trace in found.items():
+        assert trace.info.request_metadata["mlflow.sourceRun"] == inline_run.run_id  # linked to the run
+        assert trace.info.state.value == "OK"
+        root = next(s for s in trace.data.spans if s.parent_id is None)
+        spans = sorted((s for s in trace.data.spans if s.parent_id), key=lambda s: s.start_time_ns)
+        records = [r for r in lineage if r["step"] == step]
+        assert root.name == f"step {step}" and [s.name for s in spans] == [r["node"] for r in records]
+        for span, r in zip(spans, records):  # each span is its node execution as recorded
+            a = span.attributes
+            assert span.parent_id == root.span_id and span.status.status_code == "OK"
+            assert abs(span.start_time_ns / 1e9 - r["start_time"]) < 1e-5
+            assert abs((span.end_time_ns - span.start_time_ns) / 1e9 - r["duration_s"]) < 1e-5
+            for key in ("kind", "impl", "worker", "rows_in", "rows_out", "input_fingerprint", "output_fingerprint",
+                        "policy_versions", "trainer_version", "params_hash", "code_hash"):
+                assert a[f"rlpipe.{key}"] == r[key], (step, r["node"], key)
+            assert "rlpipe.error" not in a
+    generate = next(s for s in found[2].data.spans if s.name == "generate").attributes
+    assert generate["rlpipe.worker"] == "rollout×1" and generate["rlpipe.rows_out"] == 32
+    assert generate["rlpipe.policy_versions"] == [2]  # step 2's tokens come from weights v2
     paths = {f.path for f in client.list_artifacts(inline_run.run_id, "figures")}
     assert "figures/stage_time.png" in paths and "figures/reward.png" in paths
     import mlflow
 
-    mlflow.set_tracking_uri(inline_run.tracking_uri)  # load_table searches runs through the global store
-    traj = client.load_table(run.info.experiment_id, "tables/trajectories.json", run_ids=[inline_run.run_id])
+    # as a user loads it: mlflow.load_table in the run's experiment (it searches through the global store)
+    mlflow.set_tracking_uri(inline_run.tracking_uri)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_EXPERIMENT_ID", run.info.experiment_id)
+        traj = mlflow.load_table("tables/trajectories.json", run_ids=[inline_run.run_id])
+        lineage_view = mlflow.load_table("tables/lineage.json", run_ids=[inline_run.run_id])
     assert len(traj) == 16 and traj["prompt"].str.endswith("=").all()  # decoded prompts, e.g. '37='
+    assert {"uid", "response", "reward", "advantage", "min_version", "max_version", "status"} <= set(traj.columns)
+    assert traj["step"].tolist() == [s for s in range(4) for _ in range(4)]
+    assert (traj["min_version"] == traj["step"]).all() and (traj["max_version"] == traj["step"]).all()
+    assert len(lineage_view) == len(lineage) and lineage_view["node"].tolist() == [r["node"] for r in lineage]

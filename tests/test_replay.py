@@ -36,6 +36,7 @@ def test_another_estimator_on_the_same_rollouts(inline_run):
     assert "recorded impl reproduces the recorded output: yes (same fingerprint)" in out
     r = replay(inline_run.run_id, 2, "advantage", ["impl=rloo"], inline_run.tracking_uri)
     adv = next(c for c in r.columns if c.name == "advantages")
+    assert adv.rows_changed > 0 and adv.max_abs_diff > 0  # RLOO's baseline is not GRPO's: the diff shows it
     row = next(line for line in out.splitlines() if line.startswith("│ advantages"))
     cells = [c.strip() for c in row.split("│")[1:-1]]
     assert cells == ["advantages", f"{adv.rows_changed}/32", f"{adv.mean_before:.4f}", f"{adv.mean_after:.4f}",

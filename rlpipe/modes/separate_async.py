@@ -178,6 +178,8 @@ class SeparateAsyncMode(AsyncMode):
         # on Ray, the lineage names the Ray node each replica ran on, as it does for the other roles
         hosts = getattr(executor.backend, "group_nodes", lambda role: [])("rollout")
         for replica, report in enumerate(reports):
+            # drained before the step that consumes them ends: its trajectory lineage names the replica
+            executor.note_replicas(report["uids"], replica)
             worker = f"rollout[{replica}]" + (f"@{hosts[replica]}" if replica < len(hosts) else "")
             for record in report["records"]:
                 executor.record_external(step, nodes[record.pop("node")], worker=worker, **record)

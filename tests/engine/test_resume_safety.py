@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from contextlib import redirect_stderr, redirect_stdout
+from io import StringIO
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import quickstart_raw
+from conftest import ROOT, quickstart_raw
+from rlpipe.cli import main
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError
@@ -65,13 +69,34 @@ def test_fork_starts_a_new_run_linked_to_the_old_one(finished):
     assert sorted(m.step for m in client.get_metric_history(first.run_id, "reward/mean")) == [0, 1]
 
 
+def rlpipe_run(root: Path, uri: str, steps: int, *extra: str) -> tuple[int, str, str]:
+    """``rlpipe run`` of the quickstart as the fixture configured it (in this process); exit code, stdout, stderr."""
+    args = ["run", str(ROOT / "pipelines" / "quickstart.yaml"), "--inline", "-o", "name=safe",
+            "-o", "data.prompts_per_step=4", "-o", f"trainer.total_steps={steps}", "-o", f"trainer.output_dir={root / 'out'}",
+            "-o", "trainer.checkpoint_every=1", "-o", f"tracking.uri={uri}", "-o", "tracking.experiment=resume-safety",
+            "-o", "tracking.sample_trajectories=2", *extra]
+    out, err = StringIO(), StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(args)
+    return code, out.getvalue(), " ".join(err.getvalue().split())
+
+
+def test_the_cli_refuses_with_exit_2_and_says_what_to_pass(finished):
+    root, uri, first = finished
+    ckpt = Path(first.output_dir) / "checkpoints" / "step_2"
+    code, out, err = rlpipe_run(root, uri, 2, "--resume", str(ckpt))
+    assert code == 2 and "is FINISHED (2 steps" in err and "--fork" in err and "--extend" in err
+    assert "done:" not in out
+
+
 def test_extend_adds_steps_to_the_same_run_and_keeps_its_old_model(finished):
     root, uri, first = finished
     out = Path(first.output_dir)
     old_final = model_bytes(out / "final")
-    more = run_pipeline(config(root / "out", 3, uri), "", inline=True,
-                        resume_from=str(out / "checkpoints" / "step_2"), extend=True)
-    assert more.run_id == first.run_id and more.steps == 1  # only step 2 ran
+    code, printed, _ = rlpipe_run(root, uri, 3, "--resume", str(out / "checkpoints" / "step_2"), "--extend")
+    assert code == 0
+    assert re.search(r"^done: 1 steps in ", printed, re.M), printed  # only step 2 ran, and the summary says so
+    assert f"MLflow run id: {first.run_id}" in printed
     assert model_bytes(out / "final_step_2") == old_final and (out / "final").is_dir()
     run = MlflowClient(uri).get_run(first.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["rlpipe.extended_to"] == "3"

@@ -78,7 +78,10 @@ def test_lineage_records_chain_generate_to_reward(rig):
         assert scored["rows_in"] == scored["rows_out"] == generated["rows_out"]
         assert scored["policy_versions"] == [0] and "reward/mean" in scored["metrics"]
     assert report["counts"]["stored_groups"] == 5 and report["counts"]["pulled"] == 5
-    assert feeder.drain()["records"] == []  # drained once
+    # the prompts this replica generated, for the driver's trajectory lineage (which replica made a trajectory)
+    assert sorted(report["uids"]) == sorted(prompts().column("uid").to_pylist())
+    again = feeder.drain()
+    assert again["records"] == [] and again["uids"] == []  # drained once
 
 
 def test_a_failing_reward_stage_reaches_the_driver_with_kind_impl_and_step(rig):

@@ -114,6 +114,7 @@ class RolloutFeeder:
         self.run_seed = run_seed
         self.extras = {"temperature": float(gen_params.get("temperature", 1.0))}
         self._records: list[dict[str, Any]] = []
+        self._generated: list[str] = []  # prompt uids this replica generated since the last drain (lineage)
         self._counts = {"pulled": 0, "stored_groups": 0, "score_s": 0.0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,7 +189,10 @@ class RolloutFeeder:
         step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
         record = {"node": "generate", **execution_fields(None, table, collect_start, time.time() - collect_start,
                                                            {"generate/collected_rows": float(table.num_rows)})}
-        groups = len(pc.unique(table.column(UID)))
+        uids = pc.unique(table.column(UID)).to_pylist()
+        with self._lock:
+            self._generated.extend(uids)
+        groups = len(uids)
         return _Scoring(table, step, record["output_fingerprint"], [record], groups)
 
     def _advance(self, s: "_Scoring") -> pa.Table | None:
@@ -229,13 +233,16 @@ class RolloutFeeder:
     # -- the driver's side ---------------------------------------------------------
 
     def drain(self) -> dict[str, Any]:
-        """Lineage records since the last drain, cumulative counters and the age of the loop's last turn
-        (``loop_age_s``); raises the feeder's error."""
+        """Lineage records since the last drain, the prompt uids generated since then (``uids``: the driver
+        notes this replica as theirs, for the trajectory lineage), cumulative counters and the age of the
+        loop's last turn (``loop_age_s``); raises the feeder's error."""
         if self._error is not None:
             raise self._error
         with self._lock:
             records, self._records = self._records, []
-            return {"records": records, "counts": dict(self._counts), "loop_age_s": time.monotonic() - self._beat}
+            uids, self._generated = self._generated, []
+            return {"records": records, "uids": uids, "counts": dict(self._counts),
+                    "loop_age_s": time.monotonic() - self._beat}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop pulling and storing (idempotent); what is in the service stays there."""
