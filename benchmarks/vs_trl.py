@@ -17,6 +17,12 @@ process, the variants are interleaved (one run of each per repeat), and the tabl
 over repeats of each run's median step time (first ``--warmup`` steps excluded).
 tokens/s = 128 × (prompt tokens + mean completion length of the run) / median step time,
 so a framework whose completions stop earlier is not credited with tokens it did not make.
+
+``--linearity``: rlpipe's cost against the size of the work (issue 12: linear in batch size and
+response length). Inline sync (``--variants`` picks others) at 4 batch sizes (4, 8, 16, 32 prompts
+× 8 samples, 8 new tokens) and 4 response lengths (4, 8, 16, 32 new tokens, 16 prompts); per size
+the median step time and the cost per token (step time / (rows × (prompt + completion tokens))).
+Writes benchmarks/results/vs_trl_linearity.json.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ tokenizer: {{path: {model}}}
 data:
   source: jsonl
   params: {{path: {data}, data_source: digits}}
-  prompts_per_step: 16
+  prompts_per_step: {prompts}
   max_prompt_length: 16
 trainer:
   total_steps: {steps}
@@ -59,7 +65,7 @@ trainer:
   torch_threads: {threads}
   output_dir: {out}
 stages:
-  - {{kind: generate, impl: embedded, params: {{n: 8, max_tokens: 8, temperature: 1.0}}}}
+  - {{kind: generate, impl: embedded, params: {{n: 8, max_tokens: {max_tokens}, temperature: 1.0}}}}
   - {{kind: reward, impl: rule}}
 {guard}  - {{kind: balance, impl: tokens}}
   - {{kind: old_log_prob, impl: bypass}}
@@ -90,7 +96,8 @@ def prepare(workdir: Path, seed: int = 0) -> None:
     (workdir / "meta.json").write_text(json.dumps({"params": params, "vocab": len(tokenizer)}))
 
 
-def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int) -> dict:
+def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: int = PROMPTS,
+               max_tokens: int = NEW_TOKENS) -> dict:
     """One rlpipe run in this process; per-step wall-clock stamps, rewards and completion lengths."""
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
@@ -98,7 +105,8 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int) -> dict:
     mode = "separate_async" if variant == "separate_async" else "sync"
     asynchronous = mode == "separate_async"
     text = PIPELINE.format(
-        variant=variant, mode=mode, steps=steps, threads=threads, model=workdir / "model",
+        variant=variant, mode=mode, steps=steps, threads=threads, model=workdir / "model", prompts=prompts,
+        max_tokens=max_tokens,
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         mode_params="mode_params: {max_off_policy_threshold: 1, strategy: wait, capacity_steps: 1}" if asynchronous else "",
         guard="  - {kind: staleness_guard, impl: max_staleness}\n" if asynchronous else "",
@@ -117,7 +125,8 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int) -> dict:
     return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths}
 
 
-def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None) -> dict:
+def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None,
+            size: tuple[int, int] | None = None) -> dict:
     """A fresh process per run (no warm caches carried between variants).
 
     ``<variant>@before`` runs the rlpipe checkout at ``compare_root`` instead of this one (its own
@@ -137,6 +146,8 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
     else:
         cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
                "--threads", str(threads), "--out", str(out)]
+        if size:  # (prompts, new tokens) of a --linearity run
+            cmd += ["--prompts", str(size[0]), "--max-tokens", str(size[1])]
     with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
         subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
     return json.loads(out.read_text())
@@ -169,6 +180,44 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+BATCH_SIZES = (4, 8, 16, 32)
+"""Prompts per step of the --linearity batch-size series (× 8 samples, 8 new tokens)."""
+RESPONSE_LENGTHS = (4, 8, 16, 32)
+"""Most new tokens of the --linearity response-length series (16 prompts × 8 samples)."""
+
+
+def linearity(args: argparse.Namespace) -> None:
+    """Step time and cost per token against batch size and response length; interleaved over repeats."""
+    variants = [v for v in args.variants.split(",") if v != "trl"] if args.variants != ",".join(VARIANTS) else ["inline"]
+    sizes = [("batch", (p, NEW_TOKENS)) for p in BATCH_SIZES] + [("length", (PROMPTS, t)) for t in RESPONSE_LENGTHS]
+    workdir = Path(tempfile.mkdtemp(prefix="vs_trl_lin_"))
+    prepare(workdir)
+    runs: dict[str, list[dict]] = {}
+    loads = [load_average()]
+    for repeat in range(args.repeats):
+        for variant in variants:
+            for series, (prompts, tokens) in sizes:
+                key = f"{variant}/{series}/{prompts}x{tokens}"
+                run = summarize(one_run(variant, workdir, args.steps, args.threads, None, (prompts, tokens)), args.warmup)
+                rows = prompts * SAMPLES
+                run.update(prompts=prompts, max_tokens=tokens, rows=rows,
+                           s_per_token=run["step_s"] / (rows * (PROMPT_TOKENS + run["completion_len"])))
+                runs.setdefault(key, []).append(run)
+                loads.append(load_average())
+                print(f"repeat {repeat} {key}: {run['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
+    table = {k: {f: float(np.median([r[f] for r in rs])) for f in ("step_s", "completion_len", "s_per_token")}
+             | {f: rs[0][f] for f in ("prompts", "max_tokens", "rows")} for k, rs in runs.items()}
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "repeats": args.repeats,
+              "warmup": args.warmup, "load_average_1_5_15": loads, "median": table, "runs": runs}
+    (ROOT / "benchmarks/results/vs_trl_linearity.json").write_text(json.dumps(result, indent=2))
+    print(f"load average (1/5/15 min) during the runs: {loads[0]} … {loads[-1]}")
+    print("| run | rows | new tokens (max) | completion len | step (median) | µs per token |")
+    print("|---|---|---|---|---|---|")
+    for key, row in table.items():
+        print(f"| {key} | {row['rows']} | {row['max_tokens']} | {row['completion_len']:.2f} | "
+              f"{row['step_s'] * 1e3:.0f} ms | {row['s_per_token'] * 1e6:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
@@ -181,13 +230,22 @@ def main() -> None:
                         help="an older rlpipe checkout (with rlpipe/stages and rlpipe/schemas linked to its stages/ and "
                              "schemas/): adds inline@before, ray_sync@before, separate_async@before to the variants")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--linearity", action="store_true",
+                        help="step time and cost per token at 4 batch sizes and 4 response lengths (rlpipe inline "
+                             "unless --variants names others)")
     parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # one run, in this process
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         threads = 1 if args.child == "separate_async" else args.threads  # two workers share the 2 cores
-        args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads)))
+        args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads, args.prompts,
+                                                  args.max_tokens)))
+        return
+    if args.linearity:
+        linearity(args)
         return
     variants = args.variants.split(",")
     if args.compare_root:

@@ -265,6 +265,10 @@ class TrackingConfig(Strict):
     """Longest the end of a run waits for tracking calls still queued (a server that went away); what is
     not delivered by then is written to `<output_dir>/<run>/tracking_spool.jsonl`, which
     `rlpipe spool replay PATH` sends to MLflow later."""
+    max_queued_calls: int = Field(256, ge=1)
+    """Most tracking calls (a node record, a step end ...; ~9 per step) waiting for the MLflow writer, which
+    runs in its own process; past it the run waits for the writer (backpressure) instead of holding an
+    unbounded backlog in memory."""
     http_timeout_s: int = Field(30, ge=1)
     """Timeout of one HTTP request to a tracking server (MLflow's MLFLOW_HTTP_REQUEST_TIMEOUT, default 120,
     which wins when set in the environment)."""

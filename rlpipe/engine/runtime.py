@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -169,21 +170,26 @@ def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
                   tags: dict[str, str] | None = None) -> Observer:
     if not config.tracking.enabled:
         return NullObserver()
-    from rlpipe.engine.tracking.background_observer import BackgroundObserver
-    from rlpipe.engine.tracking.mlflow_observer import MLflowObserver
+    from rlpipe.engine.tracking.process_observer import mlflow_process_observer
 
     tracking = config.tracking
     # bound every MLflow HTTP call (its defaults retry one call for minutes); the user's environment wins
+    # (set before the tracking process starts: it inherits this environment)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(tracking.http_timeout_s))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tracking.http_max_retries))
-    inner = MLflowObserver(tracking, config.name, resume_run_id=resume_run_id, tags=tags)
-    return BackgroundObserver(inner, tracking.drain_timeout_s,
-                              spool_path=lambda run_id: Path(run_output_dir(config, run_id)) / SPOOL_NAME)
+    # the writer runs in its own process (off this one's GIL); the spool path must pickle, so no lambda
+    spool_path = partial(spool_file, config.trainer.output_dir, config.name)
+    return mlflow_process_observer(tracking, config.name, spool_path, resume_run_id=resume_run_id, tags=tags)
+
+
+def spool_file(output_dir: str, name: str, run_id: str) -> Path:
+    """The tracking spool of a run: in its output folder (:func:`run_output_dir`)."""
+    return Path(output_dir) / f"{name}-{run_id[:8]}" / SPOOL_NAME
 
 
 def run_output_dir(config: PipelineConfig, run_id: str) -> str:
     """``<trainer.output_dir>/<name>-<run id[:8]>``: where a run's models, checkpoints and tracking spool go."""
-    return str(Path(config.trainer.output_dir) / f"{config.name}-{run_id[:8]}")
+    return str(spool_file(config.trainer.output_dir, config.name, run_id).parent)
 
 
 def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",

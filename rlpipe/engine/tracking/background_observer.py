@@ -15,6 +15,10 @@ written to a local spool file (:mod:`rlpipe.engine.tracking.spool`) that
 ``rlpipe spool replay PATH`` sends to MLflow later, so nothing is lost and the
 process does not hang at run end. The writer thread is a daemon: one stuck in a
 call does not keep the process alive.
+
+With ``max_queued``, at most that many calls wait: a call made while the queue is full
+blocks its caller until the writer catches up (backpressure; memory stays bounded when the
+store is slower than the run).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,15 +42,16 @@ class BackgroundObserver:
     """Applies the wrapped observer's calls in order on a writer thread."""
 
     def __init__(self, inner: Observer, drain_timeout_s: float | None = None,
-                 spool_path: Callable[[str], Path] | None = None):
+                 spool_path: Callable[[str], Path] | None = None, max_queued: int | None = None):
         """``drain_timeout_s``: longest wait at run end (None: unbounded); ``spool_path(run_id)``: where
-        undelivered calls go (None: nowhere, they are only logged)."""
+        undelivered calls go (None: nowhere, they are only logged); ``max_queued``: most calls waiting
+        (None: unbounded)."""
         self.inner = inner
         self.drain_timeout_s = drain_timeout_s
         self.spool_path = spool_path
         self.spooled: Path | None = None
         """The spool file this run wrote, if any."""
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued or 0)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._current: tuple[str, tuple] | None = None
@@ -79,9 +85,12 @@ class BackgroundObserver:
         if self._thread is None:
             self.inner.on_run_end(status, error)
             return
-        self._queue.put(("on_run_end", (status, error)))
-        self._queue.put(_STOP)
-        self._thread.join(self.drain_timeout_s)
+        end = ("on_run_end", (status, error))
+        deadline = None if self.drain_timeout_s is None else time.monotonic() + self.drain_timeout_s
+        end_queued = self._put_by(end, deadline)
+        if end_queued:
+            self._put_by(_STOP, deadline)
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._lock:
             hung = self._thread.is_alive()
             self._abandoned = True
@@ -95,6 +104,8 @@ class BackgroundObserver:
                     break
                 if item is not _STOP:
                     pending.append(item)
+            if not end_queued:
+                pending.append(end)  # the queue stayed full until the deadline
         self._thread = None
         unsent = getattr(self.inner, "unsent_calls", None)
         if pending and unsent is not None:
@@ -110,6 +121,14 @@ class BackgroundObserver:
             log.warning("observer call %s after the run ended; ignored", method)
             return
         self._queue.put((method, args))
+
+    def _put_by(self, item: Any, deadline: float | None) -> bool:
+        """Queue ``item`` if there is room before ``deadline`` (None: wait as long as it takes)."""
+        try:
+            self._queue.put(item, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            return False
+        return True
 
     def _drain(self) -> None:
         while True:
