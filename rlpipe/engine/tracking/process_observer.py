@@ -44,6 +44,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlpipe.deadline import StageTimeout, call_with_deadline
 from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.errors import RlpipeError
 
@@ -232,15 +233,11 @@ class ProcessObserver:
     def _send(self, message: tuple, timeout: float | None = None) -> bool:
         """Write a message to the child, waiting while the pipe is full (backpressure) or until ``timeout``
         (then the child is stuck); False: the child is gone or stuck."""
-        if timeout is None:
-            return self._write(message)
-        sent: list[bool] = []
-        writer = threading.Thread(target=lambda: sent.append(self._write(message)), daemon=True)
-        writer.start()
-        writer.join(timeout)
-        if not sent:
+        try:
+            return call_with_deadline(lambda: self._write(message), timeout, "writing to the tracking process")
+        except StageTimeout:
             log.error("the tracking process is stuck (it read nothing for %g s); %s is lost", timeout, message[0])
-        return bool(sent and sent[0])
+            return False
 
     def _write(self, message: tuple) -> bool:
         try:
