@@ -8,6 +8,7 @@ import time
 
 os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
+import mlflow  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import pytest  # noqa: E402
@@ -137,6 +138,8 @@ def test_trajectories_and_lineage_are_tables_the_ui_renders(finished):
     logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
     assert {"path": "tables/trajectories.json", "type": "table"} in logged
     assert {"path": "tables/lineage.json", "type": "table"} in logged
+    # MlflowClient.load_table searches through the *global* store (mlflow.search_runs), as mlflow.load_table does
+    mlflow.set_tracking_uri(obs.tracking_uri)
     traj = client.load_table(obs.experiment_id, "tables/trajectories.json", run_ids=[run_id])
     assert len(traj) == 6 and traj["step"].tolist() == [0, 0, 0, 1, 1, 1]
     assert {"prompt", "response", "reward", "advantage", "min_version", "max_version", "status"} <= set(traj.columns)

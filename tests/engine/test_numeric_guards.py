@@ -76,7 +76,9 @@ class PushCounter(Recorder):
 
 
 @pytest.mark.parametrize("lr,message", [
-    (1e30, r"NumericalError: local update \d+: the gradient norm is nan"),
+    # weights blown up by the first update make the next one's gradient norm nan, or already its loss non-finite:
+    # which one depends on the CPU's float kernels (the loss on this AVX-512 machine, the gradient on CI's)
+    (1e30, r"NumericalError: local update \d+: (the gradient norm is nan|the loss is non-finite)"),
     (1e6, r"NumericalError: the gradient norm was 0 for 3 consecutive updates although the advantages were not all 0"),
 ])
 def test_a_blown_up_update_stops_before_the_weight_push_and_fails_the_run(lr, message, tmp_path):

@@ -31,11 +31,13 @@ Layout of what it writes (readable with the plain MLflow client, or with
   as MLflow params and per-step metrics: the stage's metrics plus ``duration_s``,
   ``rows_in``, ``rows_out``, ``trainer_version`` and ``policy_version/min|max``.
 
-Cost: node metrics are buffered and sent as one ``log_batch`` per node every
-``tracking.node_metrics_every_s`` and at the run's end (a call costs 70–110 ms on a busy
-sqlite store; one per node per step was the observer's largest cost). Metrics still unsent
-when a run ends badly are handed to the tracking spool as ``on_node_metrics`` calls
-(:meth:`MLflowObserver.unsent_calls`), so a replay delivers them.
+Cost: the per-step metrics of the pipeline run and of the node runs are buffered and sent
+as one ``log_batch`` per run every ``tracking.metrics_every_s`` and at the run's end (a call
+costs 20–110 ms on a sqlite store, busy or not; one per run per step was most of the writer's
+CPU after the traces). Metrics still unsent when a run ends badly are handed to the tracking
+spool as ``on_node_metrics`` calls (:meth:`MLflowObserver.unsent_calls`), so a replay delivers
+them. Figures are redrawn at most every ``tracking.figures_min_interval_s`` (a redraw costs
+~0.5 s of CPU). A step's trace is two store calls (:mod:`~rlpipe.engine.tracking.traces`).
 Lineage is appended per step (a part file per step, O(rows of the step); rewriting the
 whole table every step was O(steps²)), so a crash loses at most the records of the step in
 flight; the whole-run files are written once, at the end.
@@ -90,6 +92,8 @@ from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 log = logging.getLogger(__name__)
 
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
+PIPELINE_RUN = ""
+"""The key of the pipeline run's own buffered metrics among the node runs' (no node has an empty name)."""
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 """The experiment kind MLflow 3's UI opens on its training runs (not on the GenAI overview)."""
@@ -128,8 +132,10 @@ class MLflowObserver:
         self._rewards: dict[int, float] = {}  # reward/mean per step, for the figures
         self._trajectory_rows: list[dict] = []  # the browsable trajectories table
         self._dirty_steps: set[int] = set()  # steps whose lineage part is not written yet
-        self._node_metrics: dict[str, list[list]] = {}  # node → buffered [key, value, ms, step]
+        # node (PIPELINE_RUN: the pipeline run itself) → buffered [key, value, ms, step]
+        self._node_metrics: dict[str, list[list]] = {}
         self._node_metrics_sent = time.monotonic()
+        self._figures_drawn = time.monotonic()
         self._ended = False
         self._lock = threading.RLock()  # the async modes may report from several threads
         self._tmp = Path(tempfile.mkdtemp(prefix="rlpipe-mlflow-"))
@@ -140,7 +146,6 @@ class MLflowObserver:
         with self._lock:
             try:
                 self.client = MlflowClient(tracking_uri=self.tracking_uri)
-                traces.use_store(self.tracking_uri)
                 self.experiment_id = self._experiment()
                 if self.resume_run_id:
                     self._resume(self.resume_run_id)
@@ -198,10 +203,12 @@ class MLflowObserver:
                 self._trajectory_lineage.append(trajectory_lineage)
                 self._guard("writing the trajectory lineage", self._write_trajectory_parts, trajectory_lineage)
             self._guard("writing the lineage table", self._write_lineage_parts)
-            if time.monotonic() - self._node_metrics_sent >= self.tracking.node_metrics_every_s:
-                self._guard("logging node metrics", self._flush_node_metrics)
+            if time.monotonic() - self._node_metrics_sent >= self.tracking.metrics_every_s:
+                self._guard("logging metrics", self._flush_node_metrics)
             every = self.tracking.figures_every
-            if every and (step + 1) % every == 0:
+            if every and (step + 1) % every == 0 and \
+                    time.monotonic() - self._figures_drawn >= self.tracking.figures_min_interval_s:
+                self._figures_drawn = time.monotonic()
                 self._guard("drawing the figures and tables", self._write_views)
 
     def _write_trajectory_parts(self, table: pa.Table) -> None:
@@ -259,13 +266,12 @@ class MLflowObserver:
             if status not in _STATUSES:
                 log.warning("unknown run status %r; recording FAILED", status)
                 status = "FAILED"
-            self._guard("logging node metrics", self._flush_node_metrics)
+            self._guard("logging metrics", self._flush_node_metrics)
             self._guard("writing the lineage table", self._write_lineage_parts)
             self._guard("writing the whole-run lineage", self._write_whole_lineage)
             for step in sorted(set(self._records) - self._traced - self._earlier_attempt):
                 # steps without a step end: the one that failed, or one cut short
                 self._guard(f"logging step {step} trace", self._log_trace, step, error or f"run ended {status}")
-            self._guard("writing the traces", traces.flush)
             self._guard("drawing the figures and tables", self._write_views)
             if error:
                 self._guard("recording the error", self._log_error, error)
@@ -405,7 +411,8 @@ class MLflowObserver:
         self._node_metrics.setdefault(r.node, []).extend([k, v, ts, r.step] for k, v in values.items())
 
     def on_node_metrics(self, node: str, metrics: list[list]) -> None:
-        """Send buffered metrics ``[key, value, timestamp ms, step]`` of node ``node`` (spool replays)."""
+        """Send buffered metrics ``[key, value, timestamp ms, step]`` of node ``node``'s run, or of the pipeline
+        run when ``node`` is :data:`PIPELINE_RUN` (spool replays)."""
         with self._lock:
             if not self._accepting("on_node_metrics"):
                 return
@@ -419,23 +426,19 @@ class MLflowObserver:
         No lock: the writer thread may be stuck in a call holding it; a snapshot is enough."""
         dirty = set(self._dirty_steps)
         records = [("on_node_end", (r,)) for step in sorted(dirty) for r in self._step_records(step)]
-        metrics = [("on_node_metrics", (node, [m for m in buffered if m[3] not in dirty]))
+        # a dirty step's node metrics come back with its on_node_end calls; its step metrics only from here
+        metrics = [("on_node_metrics", (node, [m for m in buffered if node == PIPELINE_RUN or m[3] not in dirty]))
                    for node, buffered in list(self._node_metrics.items())]
         return records + [call for call in metrics if call[1][1]]
 
     def _flush_node_metrics(self) -> None:
-        """One log_batch per node (chunked); a node whose write fails keeps its metrics for the next flush."""
+        """One log_batch per run (chunked); a run whose write fails keeps its metrics for the next flush."""
         self._node_metrics_sent = time.monotonic()
         for node in list(self._node_metrics):
             metrics = [Metric(k, v, ts, step) for k, v, ts, step in self._node_metrics[node]]
             for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
-                self.client.log_batch(self._node_runs[node], metrics=chunk)
+                self.client.log_batch(self.run_id if node == PIPELINE_RUN else self._node_runs[node], metrics=chunk)
             del self._node_metrics[node]
-
-    def _log_metrics(self, run_id: str, values: dict[str, float], step: int, ts: int) -> None:
-        metrics = [Metric(k, v, ts, step) for k, v in values.items()]
-        for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
-            self.client.log_batch(run_id, metrics=chunk)
 
     def _log_step_metrics(self, step: int, metrics: dict[str, float]) -> None:
         values: dict[str, float] = {}
@@ -454,7 +457,8 @@ class MLflowObserver:
         values.update(timing)  # the records' sum replaces the executor's last-execution figure: one metric per node
         if "reward/mean" in values:
             self._rewards[step] = values["reward/mean"]
-        self._log_metrics(self.run_id, values, step, int(time.time() * 1000))
+        ts = int(time.time() * 1000)
+        self._node_metrics.setdefault(PIPELINE_RUN, []).extend([k, v, ts, step] for k, v in values.items())
 
     def _log_trajectories(self, step: int, trajectories: Any) -> None:
         if isinstance(trajectories, pa.RecordBatch):
