@@ -12,7 +12,8 @@ grad clip 1.0, PPO clip 0.2, token-mean loss, no KL (no reference model), π_old
 logprobs (no extra forward), 50 steps, MLflow tracking on (a sqlite store per run).
 
 Variants: TRL (``benchmarks/vs_trl_trl.py`` in .venv-trl: TRL is not an rlpipe dependency),
-rlpipe inline sync (no Ray), rlpipe sync on Ray, rlpipe separate_async on Ray. Each run is its own
+rlpipe inline sync (no Ray), rlpipe sync on Ray, rlpipe separate_async on Ray (staleness threshold 2:
+one step off-policy, the overlap async training exists for). Each run is its own
 process, the variants are interleaved (one run of each per repeat), and the table shows medians
 over repeats of each run's median step time (first ``--warmup`` steps excluded).
 tokens/s = 128 × (prompt tokens + mean completion length of the run) / median step time,
@@ -108,7 +109,10 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
         variant=variant, mode=mode, steps=steps, threads=threads, model=workdir / "model", prompts=prompts,
         max_tokens=max_tokens,
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
-        mode_params="mode_params: {max_off_policy_threshold: 1, strategy: wait, capacity_steps: 1}" if asynchronous else "",
+        # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
+        # prompts are submitted at the step that trains on them: nothing to overlap); 2 lets the rollout generate the
+        # next step's batch with the weights one push behind while the trainer updates (verl's one-step off-policy)
+        mode_params="mode_params: {max_off_policy_threshold: 2, strategy: wait, capacity_steps: 2}" if asynchronous else "",
         guard="  - {kind: staleness_guard, impl: max_staleness}\n" if asynchronous else "",
     )
     path = workdir / f"{variant}.yaml"
