@@ -33,12 +33,12 @@ def rig():
     """A real engine + service, a real replay buffer shared by threads, and a feeder between them."""
     made = []
 
-    def make(head=(REWARD_NODE,), store_groups=1, threshold=8):
+    def make(head=(REWARD_NODE,), store_groups=1, threshold=8, max_groups=8):
         service = RolloutService(EmbeddedEngine(model(), TOK), TOK)
         buffer = SharedSampler(ReplayBuffer(ReplayBufferParams(group_size=GEN.n, groups_per_step=5,
                                                                max_off_policy_threshold=threshold)))
         feeder = RolloutFeeder(service, SamplerClient(buffer), list(head), GEN.model_dump(), seed_of,
-                               max_groups=8, store_groups=store_groups, poll_s=0.01, run_seed=5)
+                               max_groups=max_groups, store_groups=store_groups, poll_s=0.01, run_seed=5)
         made.append((feeder, service))
         return feeder, service, buffer
 
@@ -98,8 +98,9 @@ def test_a_failing_reward_stage_reaches_the_driver_with_kind_impl_and_step(rig):
 
 
 def test_the_feeder_respects_its_group_limit(rig):
-    feeder, service, buffer = rig()
-    feeder.max_groups = 2
+    # the limit is the feeder's from the start: an idle feeder's ask for prompts waits in the buffer with the room
+    # it had when it asked
+    feeder, service, buffer = rig(max_groups=2)
     many = pa.concat_tables([prompts(prefix=p) for p in "abc"])  # 15 prompts
     buffer.add_prompts(many, 0)
     seen = []
@@ -139,3 +140,17 @@ def test_exchange_stores_then_hands_out_pending_prompts_in_one_call():
     assert fingerprint(rest) == fingerprint(rest.combine_chunks())
     assert all(c.num_chunks == 1 for c in rest.columns)  # handed out contiguous (cheap to send)
     np.testing.assert_array_equal(rest.column("prompt_step").to_numpy(), [0, 0])
+
+
+def test_an_idle_exchange_waits_in_the_buffer_until_prompts_arrive_or_its_wait_ends():
+    buffer = SharedSampler(ReplayBuffer(ReplayBufferParams(group_size=1, groups_per_step=2)))
+    start = time.monotonic()
+    completed, none = buffer.exchange(None, 2, 0.05)  # nothing comes: empty after the wait
+    assert completed == 0 and none.num_rows == 0 and time.monotonic() - start >= 0.05
+    threading.Timer(0.1, lambda: buffer.add_prompts(prompts(("1", "2", "3")), 0)).start()
+    start = time.monotonic()
+    _, got = buffer.exchange(None, 2, 10.0)  # woken by the driver's add, not by its own deadline
+    assert got.column("uid").to_pylist() == ["p0", "p1"] and 0.05 < time.monotonic() - start < 5
+    start = time.monotonic()
+    _, none = buffer.exchange(None, 0, 10.0)  # no room: never waits
+    assert none.num_rows == 0 and time.monotonic() - start < 1

@@ -497,13 +497,20 @@ class SharedSampler:
 
         return locked
 
-    def exchange(self, trajectories: pa.Table | None, max_prompts: int) -> tuple[int, pa.Table]:
+    def exchange(self, trajectories: pa.Table | None, max_prompts: int, wait_s: float = 0.0) -> tuple[int, pa.Table]:
         """A rollout replica's one round trip: store its finished samples, take up to ``max_prompts``
-        pending prompts; returns (groups completed, prompts)."""
+        pending prompts; returns (groups completed, prompts). With ``wait_s`` > 0 and room for prompts, waits up
+        to that long for prompts to arrive (an idle replica's long poll: it wakes when the driver adds prompts
+        instead of asking again every few milliseconds, each ask a round trip on the shared cores)."""
+        deadline = time.monotonic() + wait_s
         with self._cond:
             try:
                 completed = self.sampler.add_trajectories(trajectories) if trajectories is not None else 0
-                return completed, self.sampler.next_pending(max_prompts)
+                prompts = self.sampler.next_pending(max_prompts)
+                while not prompts.num_rows and max_prompts > 0 and (left := deadline - time.monotonic()) > 0:
+                    self._cond.wait(left)  # every call on the buffer notifies: re-check
+                    prompts = self.sampler.next_pending(max_prompts)
+                return completed, prompts
             finally:
                 self._cond.notify_all()
 

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 PULL_EVERY_POLLS = 4
 """A replica that has work asks the buffer for new prompts at least every this many ``poll_s``."""
+IDLE_WAIT_S = 0.25
+"""How long an idle replica's ask for prompts waits in the buffer for some to arrive (a long poll: one round trip
+per wait instead of one per ``poll_s``; the feeder's stop waits at most this long for it)."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +146,12 @@ class RolloutFeeder:
                 scored = (parts[0] if len(parts) == 1 else pa.concat_tables(parts)) if parts else None
                 if scored is not None or (room and due):
                     last_pull, parts = time.monotonic(), []
-                    stored, prompts = self.sampler("exchange", scored, room)
+                    # with nothing to generate, collect or store, the buffer holds the call until prompts arrive
+                    idle = scored is None and not in_service and not pending
+                    stored, prompts = self.sampler("exchange", scored, room, IDLE_WAIT_S if idle else 0.0)
                     self._submit(prompts)
                     with self._lock:
                         self._counts["stored_groups"] += stored
-                    if scored is None and not prompts.num_rows and not self.service.in_service() and not pending:
-                        self._stop.wait(self.poll_s)  # nothing to generate: ask the buffer again shortly
                 start = time.time()
                 if any(pool.saturated for pool in self.pools.values()):
                     # every pool worker is busy: finished groups wait in the service (which goes on
