@@ -62,8 +62,8 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _status(error: str) -> SpanStatus | str:
-    return SpanStatus(SpanStatusCode.ERROR, error[:1000]) if error else "OK"
+def _status(error: str) -> SpanStatus:
+    return SpanStatus(SpanStatusCode.ERROR, error[:1000]) if error else SpanStatus(SpanStatusCode.OK)
 
 
 def span_attributes(r: NodeRecord) -> dict:
@@ -161,12 +161,10 @@ def _span(otel_trace_id: int, trace_id: str, span_id: int, parent_id: int | None
              SpanAttributeKey.INPUTS: inputs, SpanAttributeKey.OUTPUTS: outputs, **attributes}
     if experiment_id is not None:
         attrs[SpanAttributeKey.EXPERIMENT_ID] = experiment_id
-    status = _status(error)
-    status = status if isinstance(status, SpanStatus) else SpanStatus(SpanStatusCode.OK)
     otel = ReadableSpan(
         name=name, context=build_otel_context(otel_trace_id, span_id),
         parent=build_otel_context(otel_trace_id, parent_id) if parent_id is not None else None,
-        start_time=start_ns, end_time=end_ns, status=status.to_otel_status(),
+        start_time=start_ns, end_time=end_ns, status=_status(error).to_otel_status(),
         attributes={k: json.dumps(v) for k, v in attrs.items()}, resource=_EMPTY_RESOURCE,
     )
     return Span(otel)
