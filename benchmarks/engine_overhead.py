@@ -1,11 +1,14 @@
 """Engine overhead: the step DAG on Ray vs the same stages called inline, and batch handoff cost.
 
-Run: .venv/bin/python benchmarks/engine_overhead.py [--steps 12]
+Run: .venv/bin/python benchmarks/engine_overhead.py [--steps 12] [--repeats 3]
 Writes benchmarks/results/engine_overhead.json and prints a Markdown table (copied into README).
 
 1. Step time of the quickstart pipeline (tracking off) with every stage in this
    process (InlineBackend) vs on Ray (tasks + actors, Arrow through the object
-   store), same seed, same batches. Warm-up steps are excluded.
+   store), same seed, same batches. Warm-up steps are excluded. The two run
+   interleaved ``--repeats`` times (this shared machine's speed drifts by more
+   than the difference measured); the table gives the median over repeats of each
+   run's median step, and the load average while measuring.
 2. Handoff of one realistic batch (4096 rows × 256–768 response tokens, the
    per-token columns of a training batch) to a Ray task: as an Arrow table
    (zero-copy) vs as padded torch tensors (pickled copies).
@@ -90,24 +93,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    inline = step_times(True, args.steps, args.warmup)
-    on_ray = step_times(False, args.steps, args.warmup)
+    load_before = os.getloadavg()
+    runs: dict[str, list[dict]] = {"inline": [], "ray": []}
+    for _ in range(args.repeats):
+        runs["inline"].append(step_times(True, args.steps, args.warmup))
+        runs["ray"].append(step_times(False, args.steps, args.warmup))
     hand = handoff()
     import ray
 
     ray.shutdown()
+    median = {mode: float(np.median([r["median_step_s"] for r in rs])) for mode, rs in runs.items()}
+    same = all(r["rewards"] == runs["inline"][0]["rewards"] for rs in runs.values() for r in rs)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
-              "inline": inline, "ray": on_ray, "handoff": hand,
-              "same_rewards": inline["rewards"] == on_ray["rewards"]}
+              "warmup": args.warmup, "repeats": args.repeats, "load_before": load_before,
+              "load_after": os.getloadavg(), "median_step_s": median, "runs": runs, "handoff": hand,
+              "same_rewards": same}
     out = ROOT / "benchmarks/results/engine_overhead.json"
     out.write_text(json.dumps(result, indent=2))
-    overhead = on_ray["mean_step_s"] - inline["mean_step_s"]
+    overhead = median["ray"] - median["inline"]
+    span = {mode: "–".join(f"{x * 1e3:.0f}" for x in (min(r["median_step_s"] for r in rs),
+                                                     max(r["median_step_s"] for r in rs))) for mode, rs in runs.items()}
+    print(f"load average (1 min) before {load_before[0]:.2f}, after {result['load_after'][0]:.2f}")
     print("| measurement | inline (no Ray) | on Ray | difference |")
     print("|---|---|---|---|")
-    print(f"| quickstart step, mean of {args.steps - args.warmup - 1} | {inline['mean_step_s'] * 1e3:.0f} ms | "
-          f"{on_ray['mean_step_s'] * 1e3:.0f} ms | {overhead * 1e3:+.0f} ms ({overhead / inline['mean_step_s']:+.0%}) |")
-    print(f"| identical rewards per step | | | {result['same_rewards']} |")
+    print(f"| quickstart step, median of {args.repeats} interleaved runs' medians ({args.steps - args.warmup - 1} "
+          f"steps each) | {median['inline'] * 1e3:.0f} ms ({span['inline']}) | {median['ray'] * 1e3:.0f} ms "
+          f"({span['ray']}) | {overhead * 1e3:+.0f} ms ({overhead / median['inline']:+.0%}) |")
+    print(f"| identical rewards per step, every run | | | {same} |")
     print()
     print("| batch handoff to a Ray task (4096 rows, %d tokens) | size | time |" % hand["tokens"])
     print("|---|---|---|")

@@ -227,6 +227,13 @@ class ResourcesConfig(Strict):
     object store, and only the driver writes `trainer.output_dir`. None (the
     default): true on a one-node Ray (a laptop, a single machine: no copy, no extra cost), false on a
     cluster of several nodes. An inline run (one process) always reads the paths. See README, "Multi-node"."""
+    task_stages_in_workers: bool = True
+    """Run task stages (reward, balance, advantage ...) inside the call of the worker next to them in the plan,
+    when that worker's role has a single worker (e.g. generate, reward, balance as one call of the rollout replica;
+    old_log_prob, advantage, update as one call of the trainer): one Ray round trip instead of one per node and no
+    Ray task. false: every task stage runs as a Ray task (consecutive ones as one task), on any node with a free
+    CPU: for task stages heavy enough to need a CPU or memory of their own. Lineage records where each node ran
+    (`task in actor×1@...`)."""
     node_cache_dir: str | None = None
     """Node-local folder where workers keep the model directories shipped through the object store
     (shared_filesystem false); one copy per node and model, reused by every worker on it and by later runs.

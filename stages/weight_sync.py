@@ -99,9 +99,12 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     t0 = time.perf_counter()
     # a reference: the buckets go from the trainer to the replicas, never through this process
     push = _boundary("1 (export)", lambda: workers.call_async("actor", export, *args)[0])
-    version = _boundary("1 (version bump)", lambda: workers.call("actor", "bump_version"))[0]
+    bumped = _boundary("1 (version bump)", lambda: workers.call_async("actor", "bump_version"))
     replicas = "2-5 (transport, engine load, cache reset, resume)"
-    pushed = _boundary(replicas, lambda: workers.call_async("rollout", "push_weights", push, version, **replica_kwargs))
+    # the replicas get the version as a reference too: no round trip between the bump and the push
+    pushed = _boundary(replicas, lambda: workers.call_async("rollout", "push_weights", push, bumped[0],
+                                                            **replica_kwargs))
+    version = _boundary("1 (version bump)", lambda: workers.resolve(bumped))[0]
     metrics = {"weight_sync/version": float(version)}
     if ctx.extras.get("defer_weight_push"):
         workers.defer(pushed, f"weight sync failed at boundary {replicas} (push of version {version})")

@@ -99,6 +99,8 @@ def merge_results(results: list[StageResult], shards: list[np.ndarray], creates_
     if any(r.keep is not None for r in results):
         raise ValueError("worker stages cannot select rows; use a task stage for filtering")
     order = np.concatenate(shards) if shards else np.array([], dtype=np.int64)
+    if len(results) == 1 and np.array_equal(order, np.arange(len(order))):  # one worker had every row, in order
+        return StageResult(columns=dict(results[0].columns), metrics=metrics, carry=carry, counts=counts)
     inverse = pa.array(np.argsort(order, kind="stable"))
     columns = {}
     for name in results[0].columns if results else []:
@@ -126,6 +128,9 @@ class ChainedStage:
     writes: dict[str, pa.DataType]
     timeout_s: float | None = None
     """The node's own deadline, enforced inside the chain (the caller's wait only bounds the whole)."""
+    on_worker: bool = False
+    """A stage of the worker running the chain (not a task stage): past its deadline that worker is killed,
+    as the thread abandoned in it still holds its state."""
 
 
 @dataclasses.dataclass
@@ -138,16 +143,17 @@ class ChainStep:
     duration_s: float
 
 
-def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str) -> list[ChainStep]:
+def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str, state: Any = None) -> list[ChainStep]:
     """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
 
     Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
-    ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline."""
+    ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline.
+    ``state``: the worker state the chain's worker stages run against (a chain fused into a worker's call)."""
     steps: list[ChainStep] = []
     for stage, ctx in zip(stages, ctxs):
         start = time.time()
         try:
-            result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx),
+            result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state),
                                         stage.timeout_s, where)
             batch = apply_result(stage, batch, result)
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node

@@ -57,6 +57,13 @@ def test_lineage_table_chains_fingerprints_and_versions(sync_run):
         assert generate["rows_out"] == 8 * 8
         assert recs[-1]["trainer_version"] == step + 1
         assert all(r["duration_s"] > 0 for r in recs)
+        # one rollout replica: reward and balance ran in its call after generate (one round trip for the three);
+        # one reference worker: advantage ran in its call after ref; the trainer's 2 DP ranks run alone
+        where = {r["node"]: r["worker"] for r in recs}
+        assert where["generate"].startswith("rollout×1@") and where["ref"].startswith("ref×1@")
+        assert where["reward"] == where["balance"] == f"task in {where['generate']}"
+        assert where["advantage"] == f"task in {where['ref']}"
+        assert where["old_log_prob"].startswith("actor×2@") and where["update"].startswith("actor×2@")
 
 
 def test_trained_model_saved_as_hf_directory_and_recorded(sync_run):

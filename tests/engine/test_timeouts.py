@@ -83,15 +83,20 @@ def _ray_raw(tmp_path, **reward_node) -> dict:
 
 
 @pytest.mark.e2e
-def test_a_hung_ray_task_stage_is_cancelled_and_fails_the_run(ray_session, tmp_path):
+@pytest.mark.parametrize("in_workers, where", [
+    (False, "a Ray task (task id"),  # reward and balance: one Ray task, cancelled
+    (True, "worker rollout[0] (pid"),  # run in the rollout replica's call after generate; its thread abandoned
+])
+def test_a_hung_task_stage_fails_the_run_at_its_deadline_naming_where_it_ran(ray_session, tmp_path, in_workers, where):
     raw = _ray_raw(tmp_path, timeout_s=3.0, params={"scorer_timeout_s": None})
+    raw["resources"] = {"task_stages_in_workers": in_workers}
     start = time.monotonic()
     with pytest.raises(StageError) as caught:
         run_pipeline(validate_config(raw), "", observer=Recorder())
     assert time.monotonic() - start < 120
     err = caught.value
     assert (err.kind, err.impl, err.step) == ("reward", "rule", 0)
-    assert "node 'reward' timed out: no result after timeout_s=3 s on a Ray task (task id" in str(err)
+    assert f"node 'reward' timed out: no result after timeout_s=3 s on {where}" in str(err)
 
 
 @pytest.mark.e2e
@@ -105,8 +110,10 @@ def test_a_hung_scorer_in_a_ray_task_marks_rows_failed(ray_session, tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_worker_stage_past_its_timeout_kills_the_worker_and_names_it(ray_session, tmp_path):
+@pytest.mark.parametrize("in_workers", [False, True])  # True: old_log_prob, advantage, update as one actor call
+def test_a_worker_stage_past_its_timeout_kills_the_worker_and_names_it(ray_session, tmp_path, in_workers):
     raw = _raw(tmp_path, steps=1)
+    raw["resources"] = {"task_stages_in_workers": in_workers}
     for stage in raw["stages"]:
         if stage["kind"] == "old_log_prob":
             stage["timeout_s"] = 0.001  # a forward pass on the actor worker cannot answer within 1 ms

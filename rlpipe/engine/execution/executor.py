@@ -95,30 +95,48 @@ class StepExecutor:
             extras: dict[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
         """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics.
 
-        Consecutive task nodes run as one task when the backend can chain them (Ray: one round
-        trip and one ``ray.put`` instead of one per node); each still gets its own lineage record."""
+        Consecutive nodes run as one remote call when the backend can chain them (Ray): the nodes of
+        a role that has one worker with the task nodes next to them, as one call of that worker;
+        other consecutive task nodes as one task. One round trip and one shipment of the batch
+        instead of one per node; each node still gets its own lineage record."""
         metrics: dict[str, float] = {}
         fp = fingerprint(table)
         todo = list(nodes if nodes is not None else self.plan.nodes)
         i = 0
         while i < len(todo):
-            group = self._fusable(todo, i)
+            group, role = self._fusable(todo, i)
             if len(group) > 1:
-                table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {})
+                table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {}, role)
             else:
                 table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
             metrics.update(node_metrics)
             i += len(group)
         return table, metrics
 
-    def _fusable(self, nodes: list[PlannedNode], i: int) -> list[PlannedNode]:
-        """The run of task nodes starting at ``nodes[i]`` (just ``[nodes[i]]`` when it cannot be fused)."""
+    def _fusable(self, nodes: list[PlannedNode], i: int) -> tuple[list[PlannedNode], str | None]:
+        """The nodes from ``nodes[i]`` that run as one call, and the role whose worker runs them (None: a task).
+
+        A worker chain: task nodes and the nodes of one role, when that role has a single worker (with
+        more, its rows are split by ``dp_rank``, which the task nodes before it may still be writing).
+        Otherwise the run of task nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
+        if getattr(self.backend, "task_stages_in_workers", False):
+            role, j = None, i
+            while j < len(nodes) and nodes[j].spec.placement in ("task", "worker"):
+                spec = nodes[j].spec
+                if spec.placement == "worker":
+                    if role is None and self.backend.group_size(spec.role) == 1:
+                        role = spec.role
+                    elif spec.role != role:
+                        break
+                j += 1
+            if role is not None and j - i > 1:
+                return nodes[i:j], role
         if not hasattr(self.backend, "run_task_chain"):
-            return [nodes[i]]
+            return [nodes[i]], None
         j = i
         while j < len(nodes) and nodes[j].spec.placement == "task":
             j += 1
-        return nodes[i:j] if j - i > 1 else [nodes[i]]
+        return (nodes[i:j] if j - i > 1 else [nodes[i]]), None
 
     def _context(self, step: int, node: PlannedNode, extras: dict[str, Any]) -> StageContext:
         return StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
@@ -140,33 +158,48 @@ class StepExecutor:
         return self._finish(step, node, table, out, result, start, time.time() - start, input_fp)
 
     def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str,
-                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
-        """Task nodes ``group`` as one backend call; then, per node, the same records and checks as
-        :meth:`run_node` (its result applied here to rebuild its input and output). The mode hooks of
-        the group's nodes run before and after the whole call (no task stage needs them in between);
-        a node's duration is its stage's run time inside the task."""
+                  extras: dict[str, Any], role: str | None = None) -> tuple[pa.Table, dict[str, float], str]:
+        """``group`` as one backend call (see :meth:`_fusable`; ``role``: the worker that runs it, None: a
+        task); then, per node, the same records and checks as :meth:`run_node` (its result applied here to
+        rebuild its input and output). The mode hooks of the group's nodes run before and after the whole
+        call; a node's duration is its stage's run time inside the call. Each node's ``timeout_s`` is enforced
+        inside the call (a worker whose own stage ran past it is then killed), their sum bounds the wait here."""
         ctxs = [self._context(step, node, extras) for node in group]
         for node in group:
             for hook in self.before_node:
                 hook(node, step)
-        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s) for n in group]
+        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s, n.spec.placement == "worker")
+                  for n in group]
         timeouts = [n.timeout_s for n in group]
+        bound = None if None in timeouts else sum(timeouts)
         start = time.time()
         try:
-            steps = self.backend.run_task_chain(stages, table, ctxs, None if None in timeouts else sum(timeouts))
+            if role is None:
+                steps = self.backend.run_task_chain(stages, table, ctxs, bound)
+            else:
+                steps = self.backend.run_worker_chain(role, stages, table, ctxs, bound)
         except Exception as exc:
             self._fail(step, group[0], table, input_fp, start, exc)
         metrics: dict[str, float] = {}
         fp = input_fp
         for node, ctx, done in zip(group, ctxs, steps):
             self._record_input(step, node, table, ctx)
+            spec = node.spec
             try:
                 if done.error is not None:
                     raise done.error
-                out = apply_result(node, table, done.result)
+                result = done.result
+                if spec.placement == "worker":  # as run_node's merge of its one worker's result
+                    result = merge_results([result], [np.arange(table.num_rows)], spec.creates_rows)
+                    if spec.role == "rollout" and spec.creates_rows and UID in table.column_names:
+                        self.note_replicas(table.column(UID).to_pylist(), 0)
+                out = apply_result(node, table, result)
             except Exception as exc:
                 self._fail(step, node, table, fp, done.start, exc)
-            table, node_metrics, fp = self._finish(step, node, table, out, done.result, done.start, done.duration_s, fp)
+            where = f"task in {self.where(next(n for n in group if n.spec.placement == 'worker'))}" \
+                if role is not None and spec.placement == "task" else None
+            table, node_metrics, fp = self._finish(step, node, table, out, result, done.start, done.duration_s, fp,
+                                                   where)
             metrics.update(node_metrics)
         return table, metrics, fp
 
@@ -186,7 +219,7 @@ class StepExecutor:
         raise error from (None if chained else exc)
 
     def _finish(self, step: int, node: PlannedNode, table: pa.Table, out: pa.Table, result: StageResult, start: float,
-                duration: float, input_fp: str) -> tuple[pa.Table, dict[str, float], str]:
+                duration: float, input_fp: str, where: str | None = None) -> tuple[pa.Table, dict[str, float], str]:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.kind == "weight_sync":
@@ -196,18 +229,19 @@ class StepExecutor:
                 self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
-        out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp)
+        out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp, where)
         for hook in self.after_node:
             hook(node, step)
         return out, metrics, out_fp
 
     def record(self, step: int, node: PlannedNode, table_in: pa.Table | None, table_out: pa.Table, start: float,
-               duration: float, metrics: dict[str, float], input_fp: str | None = None) -> str:
+               duration: float, metrics: dict[str, float], input_fp: str | None = None, where: str | None = None) -> str:
         """Hand a lineage record of one node execution to the observer; returns the output fingerprint.
+        ``where``: where it ran, when not where its placement says (a task node fused into a worker's call).
 
         Modes call this directly for work done outside ``run`` (e.g. continuous generation)."""
         fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp)
-        self.record_external(step, node, **fields)
+        self.record_external(step, node, worker=where, **fields)
         return fields["output_fingerprint"]
 
     def _record_input(self, step: int, node: PlannedNode, table: pa.Table, ctx: StageContext) -> None:

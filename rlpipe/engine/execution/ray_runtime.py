@@ -86,6 +86,7 @@ class WorkerActor:
         register_arrow_ipc()
         logging.basicConfig(level=logging.INFO)
         self.role = role
+        self.rank = rank
         self.local_dirs: dict[str, str] = {}
         """Model folders this worker reads from its node's cache instead of the driver's path (driver → local)."""
         if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
@@ -106,6 +107,11 @@ class WorkerActor:
 
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
         return run_stage(kind, impl, params, batch, ctx, self.state)
+
+    def run_chain(self, stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
+        """This worker's stages and the task stages next to them in one call (see :meth:`RayBackend.run_worker_chain`)."""
+        return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
+                         "thread in it is abandoned)", self.state)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.state, method)(*args, **kwargs)
@@ -213,9 +219,12 @@ class WorkerGroup:
 class RayBackend:
     """How the executor runs stages on Ray: tasks, worker actors, and the driver-stage facade."""
 
-    def __init__(self, groups: dict[str, WorkerGroup], shared_filesystem: bool = True):
+    def __init__(self, groups: dict[str, WorkerGroup], shared_filesystem: bool = True,
+                 task_stages_in_workers: bool = True):
         self.groups = groups
         self.shared_filesystem = shared_filesystem
+        self.task_stages_in_workers = task_stages_in_workers
+        """Task stages next to a single worker's stages run in that worker's call (resources.task_stages_in_workers)."""
         self.workers = RayWorkerCalls(groups)
 
     @classmethod
@@ -229,7 +238,8 @@ class RayBackend:
             gpus = config.resources.gpus_per_worker if spec.holds_model else 0
             groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
                                        config.resources.placement.get(role), gpus, shipped)
-        backend = cls(groups, shared_filesystem=shipped is None)
+        backend = cls(groups, shared_filesystem=shipped is None,
+                      task_stages_in_workers=config.resources.task_stages_in_workers)
         try:
             for group in groups.values():
                 group.ready()
@@ -292,6 +302,32 @@ class RayBackend:
             ray.cancel(ref, force=True)
             names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
             raise StageTimeout(timeout_s, f"a Ray task running {names} (task id {ref.task_id().hex()}, cancelled)") from None
+
+    def run_worker_chain(self, role: str, stages: list[ChainedStage], table: pa.Table, ctxs: list[StageContext],
+                         timeout_s: float | None = None) -> list[ChainStep]:
+        """``stages`` (the stages of ``role`` and task stages next to them) as one call of the role's only worker:
+        one round trip and no Ray task for the task stages. Each stage's ``timeout_s`` is enforced inside the
+        call; when one of the worker's own stages ran past it, the worker is killed (as :meth:`run_on_workers`
+        does: the abandoned thread still holds its state). ``timeout_s`` bounds the wait for the whole call."""
+        group = self.groups[role]
+        if group.size != 1:
+            raise ValueError(f"a chain runs on a role with one worker; {role} has {group.size}")
+        names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
+        ref = group.actors[0].run_chain.remote(stages, contiguous(table), ctxs)
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if not ready:
+            group.kill(0)
+            raise StageTimeout(timeout_s, f"worker {group.name(0)} running {names} (killed)")
+        try:
+            steps = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDied(f"worker {group.name(0)} died while running stages {names} at step {ctxs[0].step}: "
+                             f"{_first_line(exc)}") from None
+        last = steps[-1] if steps else None
+        if last is not None and isinstance(last.error, StageTimeout) and stages[len(steps) - 1].on_worker:
+            group.kill(0)
+            last.error = StageTimeout(last.error.timeout_s, f"worker {group.name(0)} (killed)")
+        return steps
 
     def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
                        ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
