@@ -31,12 +31,18 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def step_times(inline: bool, steps: int, warmup: int) -> dict:
+VARIANTS = {"inline": (True, []), "ray": (False, []),
+            "ray_colocated": (False, ["resources.colocate=[[actor, rollout]]"])}
+"""Variant → (in this process, overrides). ray_colocated: trainer and rollout engine in one Ray actor."""
+
+
+def step_times(inline: bool, steps: int, warmup: int, overrides: list[str] = ()) -> dict:
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
 
     config, text = load_pipeline(ROOT / "pipelines/quickstart.yaml", [
         f"trainer.total_steps={steps}", "tracking.enabled=false", f"trainer.output_dir={ROOT}/outputs/bench",
+        *overrides,
     ])
     stamps: list[float] = []
     rewards: list[float] = []
@@ -96,10 +102,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {"inline": [], "ray": []}
+    runs: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
     for _ in range(args.repeats):
-        runs["inline"].append(step_times(True, args.steps, args.warmup))
-        runs["ray"].append(step_times(False, args.steps, args.warmup))
+        for variant, (inline, overrides) in VARIANTS.items():
+            runs[variant].append(step_times(inline, args.steps, args.warmup, overrides))
     hand = handoff()
     import ray
 
@@ -112,16 +118,19 @@ def main() -> None:
               "same_rewards": same}
     out = ROOT / "benchmarks/results/engine_overhead.json"
     out.write_text(json.dumps(result, indent=2))
-    overhead = median["ray"] - median["inline"]
     span = {mode: "–".join(f"{x * 1e3:.0f}" for x in (min(r["median_step_s"] for r in rs),
                                                      max(r["median_step_s"] for r in rs))) for mode, rs in runs.items()}
     print(f"load average (1 min) before {load_before[0]:.2f}, after {result['load_after'][0]:.2f}")
-    print("| measurement | inline (no Ray) | on Ray | difference |")
-    print("|---|---|---|---|")
-    print(f"| quickstart step, median of {args.repeats} interleaved runs' medians ({args.steps - args.warmup - 1} "
-          f"steps each) | {median['inline'] * 1e3:.0f} ms ({span['inline']}) | {median['ray'] * 1e3:.0f} ms "
-          f"({span['ray']}) | {overhead * 1e3:+.0f} ms ({overhead / median['inline']:+.0%}) |")
-    print(f"| identical rewards per step, every run | | | {same} |")
+    print(f"quickstart step: median over {args.repeats} interleaved runs of each run's median "
+          f"({args.steps - args.warmup - 1} steps each; range over runs in brackets)")
+    print()
+    print("| variant | step | vs inline |")
+    print("|---|---|---|")
+    for variant in VARIANTS:
+        overhead = median[variant] - median["inline"]
+        print(f"| {variant} | {median[variant] * 1e3:.0f} ms ({span[variant]}) | "
+              f"{overhead * 1e3:+.0f} ms ({overhead / median['inline']:+.0%}) |")
+    print(f"| identical rewards per step, every run | | {same} |")
     print()
     print("| batch handoff to a Ray task (4096 rows, %d tokens) | size | time |" % hand["tokens"])
     print("|---|---|---|")

@@ -12,7 +12,8 @@ grad clip 1.0, PPO clip 0.2, token-mean loss, no KL (no reference model), π_old
 logprobs (no extra forward), 50 steps, MLflow tracking on (a sqlite store per run).
 
 Variants: TRL (``benchmarks/vs_trl_trl.py`` in .venv-trl: TRL is not an rlpipe dependency),
-rlpipe inline sync (no Ray), rlpipe sync on Ray, rlpipe separate_async on Ray (staleness threshold 2:
+rlpipe inline sync (no Ray), rlpipe sync on Ray (trainer and rollout engine in Ray actors of their own,
+and ``ray_colocated``: in one, ``resources.colocate``), rlpipe separate_async on Ray (staleness threshold 2:
 one step off-policy, the overlap async training exists for). Each run is its own
 process, the variants are interleaved (one run of each per repeat), and the table shows medians
 over repeats of each run's median step time (first ``--warmup`` steps excluded).
@@ -44,13 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_PY = ROOT / ".venv-trl/bin/python"
 CHARS = "0123456789=rev:"
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_TOKENS = 16, 8, 8, 9
-VARIANTS = ("trl", "inline", "ray_sync", "separate_async")
+VARIANTS = ("trl", "inline", "ray_sync", "ray_colocated", "separate_async")
 
 PIPELINE = """\
 name: vs-trl-{variant}
 seed: 0
 mode: {mode}
 {mode_params}
+{resources}
 model: {{path: {model}}}
 tokenizer: {{path: {model}}}
 data:
@@ -114,6 +116,8 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
         # next step's batch with the weights one push behind while the trainer updates (verl's one-step off-policy)
         mode_params="mode_params: {max_off_policy_threshold: 2, strategy: wait, capacity_steps: 2}" if asynchronous else "",
         guard="  - {kind: staleness_guard, impl: max_staleness}\n" if asynchronous else "",
+        # verl's hybrid engine: the trainer and the rollout engine in one Ray actor
+        resources="resources: {colocate: [[actor, rollout]]}" if variant == "ray_colocated" else "",
     )
     path = workdir / f"{variant}.yaml"
     path.write_text(text)

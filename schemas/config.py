@@ -227,6 +227,14 @@ class ResourcesConfig(Strict):
     object store, and only the driver writes `trainer.output_dir`. None (the
     default): true on a one-node Ray (a laptop, a single machine: no copy, no extra cost), false on a
     cluster of several nodes. An inline run (one process) always reads the paths. See README, "Multi-node"."""
+    colocate: list[list[str]] = Field(default_factory=list)
+    """Worker roles that share one Ray actor (one process) per rank, e.g. `[[actor, rollout, ref]]` (verl's hybrid
+    engine): the trainer, the rollout engine and the reference take turns in one process. Their nodes, with the task
+    nodes between them, then run as one call per step, and a weight push reaches the engine without leaving the
+    process's memory. Roles of a group need as many workers each (actor: trainer.dp_size, rollout:
+    resources.rollout_replicas, ref: 1) and at most one data-parallel role (actor or critic); sync mode only (the
+    async modes generate while they train). Roles not in the run are ignored; [] (the default): every role has its
+    own workers."""
     task_stages_in_workers: bool = True
     """Run task stages (reward, balance, advantage ...) inside the call of the worker next to them in the plan,
     when that worker's role has a single worker (e.g. generate, reward, balance as one call of the rollout replica;

@@ -97,6 +97,11 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     version, hand the push to every replica's ``push_weights``; the per-push metrics."""
     workers = ctx.workers
     t0 = time.perf_counter()
+    if ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push") and workers.colocated("rollout", "actor"):
+        # resources.colocate: the trainer shares the replica's process: one call, the buckets stay in its memory
+        stats = _boundary("1-5 (in-process push)", lambda: workers.call("rollout", "push_from_local_trainer", export,
+                                                                         *args, **replica_kwargs))
+        return _push_result(stats, float(stats[0]["version"]), t0, replica_kwargs)
     # a reference: the buckets go from the trainer to the replicas, never through this process
     push = _boundary("1 (export)", lambda: workers.call_async("actor", export, *args)[0])
     bumped = _boundary("1 (version bump)", lambda: workers.call_async("actor", "bump_version"))
@@ -110,10 +115,14 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
         workers.defer(pushed, f"weight sync failed at boundary {replicas} (push of version {version})")
         return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0})
     stats = _boundary(replicas, lambda: workers.resolve(pushed))
-    metrics.update(_push_metrics(stats, time.perf_counter() - t0))
+    return _push_result(stats, version, t0, replica_kwargs)
+
+
+def _push_result(stats: list[dict], version: float, t0: float, replica_kwargs: dict) -> StageResult:
+    metrics = {"weight_sync/version": float(version), **_push_metrics(stats, time.perf_counter() - t0)}
     if "full_every" in replica_kwargs:
         metrics["weight_sync/delta_buckets"] = float(stats[0]["delta_buckets"])
-        metrics["weight_sync/full_push"] = float(is_full_push(version, replica_kwargs["full_every"]))
+        metrics["weight_sync/full_push"] = float(is_full_push(int(version), replica_kwargs["full_every"]))
     return StageResult(metrics=metrics)
 
 

@@ -128,9 +128,9 @@ class ChainedStage:
     writes: dict[str, pa.DataType]
     timeout_s: float | None = None
     """The node's own deadline, enforced inside the chain (the caller's wait only bounds the whole)."""
-    on_worker: bool = False
-    """A stage of the worker running the chain (not a task stage): past its deadline that worker is killed,
-    as the thread abandoned in it still holds its state."""
+    role: str | None = None
+    """The worker role of a worker stage (None: a task stage). Past its deadline the worker running the chain is
+    killed, as the thread abandoned in it still holds that role's state."""
 
 
 @dataclasses.dataclass
@@ -143,16 +143,18 @@ class ChainStep:
     duration_s: float
 
 
-def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str, state: Any = None) -> list[ChainStep]:
+def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str,
+              states: dict[str, Any] | None = None) -> list[ChainStep]:
     """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
 
     Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
     ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline.
-    ``state``: the worker state the chain's worker stages run against (a chain fused into a worker's call)."""
+    ``states``: per role, the worker state its stages run against (a chain fused into a worker's call)."""
     steps: list[ChainStep] = []
     for stage, ctx in zip(stages, ctxs):
         start = time.time()
         try:
+            state = (states or {}).get(stage.role) if stage.role else None
             result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state),
                                         stage.timeout_s, where)
             batch = apply_result(stage, batch, result)

@@ -116,17 +116,19 @@ class StepExecutor:
     def _fusable(self, nodes: list[PlannedNode], i: int) -> tuple[list[PlannedNode], str | None]:
         """The nodes from ``nodes[i]`` that run as one call, and the role whose worker runs them (None: a task).
 
-        A worker chain: task nodes and the nodes of one role, when that role has a single worker (with
-        more, its rows are split by ``dp_rank``, which the task nodes before it may still be writing).
-        Otherwise the run of task nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
+        A worker chain: task nodes and the nodes of the roles one worker hosts (one role, or the roles
+        colocated with it), when it is the only worker of its roles (with more, rows are split by
+        ``dp_rank``, which the task nodes before them may still be writing). Otherwise the run of task
+        nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
         if getattr(self.backend, "task_stages_in_workers", False):
-            role, j = None, i
+            role = host = None
+            j = i
             while j < len(nodes) and nodes[j].spec.placement in ("task", "worker"):
                 spec = nodes[j].spec
                 if spec.placement == "worker":
-                    if role is None and self.backend.group_size(spec.role) == 1:
-                        role = spec.role
-                    elif spec.role != role:
+                    if host is None and self.backend.group_size(spec.role) == 1:
+                        role, host = spec.role, self.backend.host(spec.role)
+                    elif host is None or self.backend.host(spec.role) != host:
                         break
                 j += 1
             if role is not None and j - i > 1:
@@ -168,8 +170,8 @@ class StepExecutor:
         for node in group:
             for hook in self.before_node:
                 hook(node, step)
-        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s, n.spec.placement == "worker")
-                  for n in group]
+        stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s,
+                               n.spec.role if n.spec.placement == "worker" else None) for n in group]
         timeouts = [n.timeout_s for n in group]
         bound = None if None in timeouts else sum(timeouts)
         start = time.time()

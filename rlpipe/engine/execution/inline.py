@@ -48,6 +48,10 @@ class LocalWorkerCalls(DeferredCalls):
     def has_role(self, role: str) -> bool:
         return role in self.states
 
+    def colocated(self, role: str, other: str) -> bool:
+        """Never: in-process states already call each other directly (no object store between them)."""
+        return False
+
     def handle(self, role: str, rank: int = 0) -> Any:
         """The state object of one worker (in-process: other workers call it directly)."""
         return self.states[role][rank]

@@ -8,6 +8,7 @@ it. Stateless stages run as Ray tasks. Arrow tables travel as Ray objects
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -26,11 +27,11 @@ from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
-from rlpipe.engine.state.roles import WORKER_ROLES
+from rlpipe.engine.state.roles import WORKER_ROLES, colocated_groups
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import load_plugins
 from rlpipe.schemas.config import PipelineConfig
-from rlpipe.stage import StageContext, StageResult
+from rlpipe.stage import StageContext, StageResult, stage_registry
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +79,28 @@ def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[Stage
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class WorkerActor:
-    """Hosts one worker of one role; runs worker stages and role methods."""
+    """Hosts one worker of one role (or of several colocated roles, resources.colocate: one state per role, the
+    first role's is the default); runs worker stages and role methods."""
 
-    def __init__(self, role: str, rank: int, world_size: int, config: dict, dist_address: str | None,
-                 shipped: ShippedDirs | None = None):
+    def __init__(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
+                 dist_address: str | None, shipped: ShippedDirs | None = None):
         load_plugins()
         register_arrow_ipc()
         logging.basicConfig(level=logging.INFO)
-        self.role = role
+        roles = (roles,) if isinstance(roles, str) else tuple(roles)
+        self.role = "+".join(roles)
         self.rank = rank
         self.local_dirs: dict[str, str] = {}
         """Model folders this worker reads from its node's cache instead of the driver's path (driver → local)."""
         if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
             config, self.local_dirs = localize(config, shipped)
-        self.state = WORKER_ROLES.get(role).build(PipelineConfig.model_validate(config), rank, world_size, dist_address)
+        parsed = PipelineConfig.model_validate(config)
+        self.states = {role: WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address) for role in roles}
+        """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous)."""
+        self.state = self.states[roles[0]]
+        for state in self.states.values():  # colocated states may work with each other in memory
+            if len(self.states) > 1 and callable(meet := getattr(state, "colocated_with", None)):
+                meet(self.states)
 
     def ready(self) -> str:
         """Where this worker runs (pid and host), for messages that name it."""
@@ -106,19 +115,26 @@ class WorkerActor:
         return dict(self.local_dirs)
 
     def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
-        return run_stage(kind, impl, params, batch, ctx, self.state)
+        role = stage_registry(kind).get(impl).role
+        return run_stage(kind, impl, params, batch, ctx, self.states.get(role, self.state))
 
     def run_chain(self, stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
         """This worker's stages and the task stages next to them in one call (see :meth:`RayBackend.run_worker_chain`)."""
         return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
-                         "thread in it is abandoned)", self.state)
+                         "thread in it is abandoned)", self.states)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A method of this worker's (first) role's state; what another worker calls through a handle."""
         return getattr(self.state, method)(*args, **kwargs)
 
+    def call_role(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A method of the state of ``role`` (one of the roles this worker hosts)."""
+        return getattr(self.states[role], method)(*args, **kwargs)
+
     def close(self) -> None:
-        if callable(close := getattr(self.state, "close", None)):
-            close()
+        for state in self.states.values():
+            if callable(close := getattr(state, "close", None)):
+                close()
 
 
 def free_address() -> str:
@@ -145,12 +161,17 @@ PLACEMENT_SHARE = 0.001
 
 
 class WorkerGroup:
-    """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it."""
+    """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it.
+    ``hosted``: every role these workers host (resources.colocate; default just ``role``): the other roles
+    reach the same workers through :meth:`view`."""
 
     def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
-                 node_resource: str | None = None, gpus: float = 0, shipped: ShippedDirs | None = None):
+                 node_resource: str | None = None, gpus: float = 0, shipped: ShippedDirs | None = None,
+                 hosted: tuple[str, ...] = ()):
         self.role = role
         self.sharded = sharded
+        self.host = role
+        """The role whose group started these workers (another role's when colocated with it)."""
         self.placement_group = None
         options: list[dict] = [{} for _ in range(size)]
         address = None
@@ -162,9 +183,11 @@ class WorkerGroup:
             if gpus:
                 option["num_gpus"] = gpus
         tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
+        hosted = hosted or (role,)
         self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{role}:{rank}:{tag}", **options[rank])
-            .remote(role, rank, size, config, address, shipped)
+            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
+                                **options[rank])
+            .remote(hosted, rank, size, config, address, shipped)
             for rank in range(size)
         ]
         self.nodes: list[str] = []
@@ -173,6 +196,13 @@ class WorkerGroup:
         """Per rank: the worker's pid and host once it is ready."""
         self.killed: set[int] = set()
         """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
+
+    def view(self, role: str, sharded: bool) -> "WorkerGroup":
+        """The same workers as the group of another role they host (resources.colocate): its calls go to that
+        role's state; ranks, readiness and kills are shared."""
+        other = copy.copy(self)
+        other.role, other.sharded = role, sharded
+        return other
 
     def _pack(self, size: int, node_resource: str | None, gpus: float = 0) -> tuple[str, list[dict]]:
         """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's; with
@@ -200,8 +230,8 @@ class WorkerGroup:
         return f"{self.role}[{rank}]{where}"
 
     def ready(self) -> None:
-        self.where = ray.get([a.ready.remote() for a in self.actors])
-        self.nodes = ray.get([a.node.remote() for a in self.actors])
+        self.where[:] = ray.get([a.ready.remote() for a in self.actors])  # in place: views share the lists
+        self.nodes[:] = ray.get([a.node.remote() for a in self.actors])
 
     def kill(self, rank: int) -> None:
         """Kill one worker now (a hung one: it cannot run ``close``); its engine server dies with it."""
@@ -210,7 +240,7 @@ class WorkerGroup:
 
     def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
         actors = self.actors if rank is None else [self.actors[rank]]
-        return [a.call.remote(method, *args, **kwargs) for a in actors]
+        return [a.call_role.remote(self.role, method, *args, **kwargs) for a in actors]
 
     def call(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         return ray.get(self.call_async(method, *args, rank=rank, **kwargs))
@@ -232,17 +262,26 @@ class RayBackend:
         """Start one worker group per role (all concurrently: DP ranks rendezvous while starting); ``shipped``:
         the model folders packed into the object store (resources.shared_filesystem false), or None."""
         config_dict = config.model_dump(mode="json")
+        colocated = {group[0]: group for group in colocated_groups(config, roles)}
+        guests = {role for group in colocated.values() for role in group[1:]}
         groups = {}
-        for role in sorted(roles):
-            spec = WORKER_ROLES.get(role)
-            gpus = config.resources.gpus_per_worker if spec.holds_model else 0
-            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict, spec.max_concurrency,
-                                       config.resources.placement.get(role), gpus, shipped)
+        for role in sorted(roles - guests):
+            hosted = colocated.get(role, (role,))
+            specs = [WORKER_ROLES.get(r) for r in hosted]
+            spec = specs[0]
+            gpus = config.resources.gpus_per_worker if any(s.holds_model for s in specs) else 0
+            place = next((config.resources.placement[r] for r in hosted if r in config.resources.placement), None)
+            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict,
+                                       max(s.max_concurrency for s in specs), place, gpus, shipped, hosted)
+        for host, hosted in colocated.items():
+            for role in hosted[1:]:
+                groups[role] = groups[host].view(role, WORKER_ROLES.get(role).sharded)
         backend = cls(groups, shared_filesystem=shipped is None,
                       task_stages_in_workers=config.resources.task_stages_in_workers)
         try:
-            for group in groups.values():
-                group.ready()
+            for role, group in groups.items():
+                if group.host == role:
+                    group.ready()
         except Exception:
             backend.shutdown()
             raise
@@ -250,8 +289,8 @@ class RayBackend:
 
     def shutdown(self) -> None:
         """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
-        closing = {a.close.remote(): g.name(r) for g in self.groups.values() for r, a in enumerate(g.actors)
-                   if r not in g.killed}
+        hosts = [g for role, g in self.groups.items() if g.host == role]  # colocated roles: their host's workers
+        closing = {a.close.remote(): g.name(r) for g in hosts for r, a in enumerate(g.actors) if r not in g.killed}
         _, stuck = ray.wait(list(closing), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S) if closing else ([], [])
         for ref, name in closing.items():
             if ref in stuck:
@@ -264,7 +303,7 @@ class RayBackend:
                 log.info("worker %s was already gone at shutdown", name)
             except Exception as exc:  # noqa: BLE001 - a failing close must not keep the others alive
                 log.warning("closing worker %s: %s", name, _first_line(exc))
-        for group in self.groups.values():
+        for group in hosts:
             for actor in group.actors:
                 ray.kill(actor)
             if group.placement_group is not None:
@@ -274,6 +313,10 @@ class RayBackend:
 
     def group_size(self, role: str) -> int:
         return self.groups[role].size if role in self.groups else 1
+
+    def host(self, role: str) -> str:
+        """The role whose workers run ``role``'s stages: itself, or the role it is colocated with."""
+        return self.groups[role].host if role in self.groups else role
 
     def model_dirs(self, role: str) -> list[dict[str, str]]:
         """Per worker of ``role``: driver path → the node-local copy it loaded (empty: it read the driver's paths)."""
@@ -324,7 +367,7 @@ class RayBackend:
             raise WorkerDied(f"worker {group.name(0)} died while running stages {names} at step {ctxs[0].step}: "
                              f"{_first_line(exc)}") from None
         last = steps[-1] if steps else None
-        if last is not None and isinstance(last.error, StageTimeout) and stages[len(steps) - 1].on_worker:
+        if last is not None and isinstance(last.error, StageTimeout) and stages[len(steps) - 1].role is not None:
             group.kill(0)
             last.error = StageTimeout(last.error.timeout_s, f"worker {group.name(0)} (killed)")
         return steps
@@ -414,6 +457,10 @@ class RayWorkerCalls(DeferredCalls):
 
     def has_role(self, role: str) -> bool:
         return role in self.groups
+
+    def colocated(self, role: str, other: str) -> bool:
+        """Whether the workers of ``role`` also host ``other`` (resources.colocate), rank for rank."""
+        return role in self.groups and other in self.groups and self.groups[role].host == self.groups[other].host
 
     def handle(self, role: str, rank: int = 0) -> Any:
         """The actor of one worker, to pass to another worker (which calls it through ``call.remote``)."""

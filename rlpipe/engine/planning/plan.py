@@ -104,6 +104,10 @@ def build_plan(config: PipelineConfig) -> Plan:
     mode_cls = registry("mode").get(config.mode)
     mode_params = _validate_params(mode_cls.Params, config.mode_params, "mode_params")
     plan = Plan(nodes, config.mode, mode_params)
+    from rlpipe.engine.state.roles import check_colocation  # torch and the engines: only when the plan is checked
+
+    sync = next((n for n in nodes if n.kind == "weight_sync"), None)
+    check_colocation(config, sync.impl if sync else None)
     mode_cls.check(config, plan)
     registry("trainer_backend").get(config.trainer.backend).check(config)
     for role in config.resources.placement:  # an unknown role raises, listing the known ones

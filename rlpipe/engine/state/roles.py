@@ -28,7 +28,7 @@ from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_pus
 from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
 from rlpipe.engine.state.train_state import TrainState
 from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
-from rlpipe.errors import RlpipeError
+from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas.config import PipelineConfig
 
@@ -140,6 +140,24 @@ class RolloutState:
         cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
         return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
                 "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}
+
+    def colocated_with(self, states: dict[str, Any]) -> None:
+        """The states of the roles sharing this worker's process (resources.colocate): the trainer's, when there."""
+        self._local_trainer = states.get("actor")
+
+    def push_from_local_trainer(self, export: str, *export_args: Any, **replica_kwargs: Any) -> dict[str, float]:
+        """A weight push from the trainer sharing this process (resources.colocate, one trainer rank): its
+        ``export`` (a TrainState method), the version bump and :meth:`push_weights` in one call, the buckets
+        never leaving this process's memory. Returns push_weights' stats and ``version``."""
+        trainer = getattr(self, "_local_trainer", None)
+        if trainer is None:
+            raise WeightSyncError("weight sync failed at boundary 1 (export): no trainer shares this rollout "
+                                  "replica's process (resources.colocate)")
+        with _boundary("1 (export)"):
+            push = getattr(trainer, export)(*export_args)
+        with _boundary("1 (version bump)"):
+            version = trainer.bump_version()
+        return {**self.push_weights(push, version, **replica_kwargs), "version": float(version)}
 
     def receive_broadcast(self, plan: BroadcastPlan, version: int) -> dict[str, float]:
         """Weight push over the weight group (weight_sync impl broadcast): receive every bucket trainer rank 0
@@ -300,3 +318,52 @@ def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_addre
 
 WORKER_ROLES.add("critic", RoleSpec(_build_critic, sharded=True, size=lambda c: c.trainer.dp_size,
                                     holds_model=True))
+
+
+def colocated_groups(config: PipelineConfig, roles: set[str]) -> list[tuple[str, ...]]:
+    """The groups of ``resources.colocate`` restricted to ``roles`` (the run's), each led by its data-parallel role
+    (whose rendezvous the shared workers join); groups left with one role are dropped."""
+    groups = []
+    for group in config.resources.colocate:
+        present = [role for role in group if role in roles]
+        present.sort(key=lambda role: not WORKER_ROLES.get(role).sharded)  # stable: the DP role first
+        if len(present) > 1:
+            groups.append(tuple(present))
+    return groups
+
+
+def check_colocation(config: PipelineConfig, weight_sync_impl: str | None = None) -> None:
+    """Refuse a ``resources.colocate`` that cannot run, naming the group and the fix."""
+    seen: set[str] = set()
+    for i, group in enumerate(config.resources.colocate):
+        where = f"resources.colocate[{i}] = {list(group)}"
+        if len(group) < 2:
+            raise ConfigError(f"{where}: a group shares one process between two or more roles; list at least two "
+                              "(e.g. [actor, rollout]) or remove it")
+        for role in group:
+            spec = WORKER_ROLES.get(role)  # an unknown role raises, listing the known ones
+            if role in seen:
+                raise ConfigError(f"{where}: role {role!r} is in more than one group; a role runs in one place")
+            if not spec.holds_model:
+                raise ConfigError(f"{where}: role {role!r} holds no model; only model-holding roles colocate "
+                                  "(actor, rollout, ref, critic)")
+            seen.add(role)
+        sharded = [role for role in group if WORKER_ROLES.get(role).sharded]
+        if len(sharded) > 1:
+            raise ConfigError(f"{where}: {' and '.join(sharded)} are both data-parallel groups (one rendezvous each); "
+                              "colocate at most one of them")
+        sizes = {role: WORKER_ROLES.get(role).size(config) for role in group}
+        if len(set(sizes.values())) > 1:
+            raise ConfigError(f"{where}: the roles need as many workers each, got "
+                              f"{', '.join(f'{r}: {n}' for r, n in sizes.items())} (actor and critic: trainer.dp_size, "
+                              "rollout: resources.rollout_replicas, ref: 1); make them equal or colocate fewer roles")
+        places = {config.resources.placement[r] for r in group if r in config.resources.placement}
+        if len(places) > 1:
+            raise ConfigError(f"{where}: resources.placement puts these roles on different nodes ({sorted(places)}); "
+                              "one process runs on one node")
+        if weight_sync_impl == "broadcast" and {"actor", "rollout"} <= set(group):
+            raise ConfigError(f"{where}: weight_sync broadcast sends from the trainer's process to the engine's, which "
+                              "are one process here (it would wait for itself); use weight_sync object_store")
+    if config.resources.colocate and config.mode != "sync":
+        raise ConfigError(f"resources.colocate: colocated roles take turns in one process, which only mode sync does "
+                          f"(mode {config.mode} generates while it trains); remove resources.colocate or use mode sync")
