@@ -274,8 +274,9 @@ class TrackingConfig(Strict):
     every 10 steps of a fast run was a third of a core)."""
     metrics_every_s: float = Field(5.0, ge=0)
     """Per-step metrics of the pipeline run and of the node runs are buffered and sent (one log_batch per
-    run, several steps at once) at most this often and at the run's end; 0 = at every step end. Traces and
-    lineage are written at every step end regardless. Unsent ones at a failed run end go to the tracking spool."""
+    run, several steps at once) at most this often and at the run's end; 0 = at every step end. The steps' traces
+    go with them (one span write for all); lineage is written at every step end regardless. Unsent ones at a
+    failed run end go to the tracking spool."""
     record_batches_every: int = Field(0, ge=0)
     """Every N steps, keep each node's input batch (batches/step_<S>/<node>.parquet) so `rlpipe replay`
     can re-run a stage on it; 0 = never (batches cost disk: rows × tokens per node)."""

@@ -76,10 +76,12 @@ def test_a_colocated_run_on_ray_computes_what_the_in_process_run_computes(ray_se
         assert colocated.metrics[step]["weight_sync/version"] == step + 1
     records = {(r.step, r.node): r for r in colocated.records}
     for step in range(3):
-        # the whole step up to the push was one call of the shared worker: the task nodes between the roles'
-        # nodes ran in it, named after the chain's first worker node
-        generate = records[(step, "generate")].worker
-        assert generate.startswith("rollout×1@")
+        # the whole step up to the push was one call of the shared worker, which the lineage names with every
+        # role it hosts; the task nodes between the roles' nodes ran in that call
+        shared = records[(step, "generate")].worker
+        assert shared.startswith("actor+rollout+ref×1@")
+        for node in ("old_log_prob", "ref", "update"):
+            assert records[(step, node)].worker == shared, node
         for node in ("reward", "balance", "advantage"):
-            assert records[(step, node)].worker == f"task in {generate}", node
+            assert records[(step, node)].worker == f"task in {shared}", node
         assert records[(step, "weight_sync")].worker == "driver"

@@ -263,11 +263,13 @@ class StepExecutor:
 
     def where(self, node: PlannedNode) -> str:
         """Where a node runs, for its lineage: ``task``, ``driver`` or ``<role>×<replicas>``, followed on Ray by
-        ``@<node ids>`` (the Ray nodes of the role's workers)."""
+        ``@<node ids>`` (the Ray nodes of the role's workers); colocated roles (resources.colocate) are named
+        together, ``actor+rollout×1``."""
         spec = node.spec
         if spec.placement != "worker":
             return spec.placement
-        where = f"{spec.role}×{self.backend.group_size(spec.role)}"
+        roles = getattr(self.backend, "hosted_roles", lambda role: (role,))(spec.role)
+        where = f"{'+'.join(roles)}×{self.backend.group_size(spec.role)}"
         nodes = getattr(self.backend, "group_nodes", lambda role: [])(spec.role)
         return f"{where}@{','.join(sorted(set(nodes)))}" if nodes else where
 

@@ -184,6 +184,8 @@ class WorkerGroup:
                 option["num_gpus"] = gpus
         tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         hosted = hosted or (role,)
+        self.hosted = hosted
+        """Every role these workers host (the data-parallel one first)."""
         self.actors = [
             WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
                                 **options[rank])
@@ -317,6 +319,10 @@ class RayBackend:
     def host(self, role: str) -> str:
         """The role whose workers run ``role``'s stages: itself, or the role it is colocated with."""
         return self.groups[role].host if role in self.groups else role
+
+    def hosted_roles(self, role: str) -> tuple[str, ...]:
+        """Every role the workers of ``role`` host (just ``role`` unless colocated)."""
+        return self.groups[role].hosted if role in self.groups else (role,)
 
     def model_dirs(self, role: str) -> list[dict[str, str]]:
         """Per worker of ``role``: driver path → the node-local copy it loaded (empty: it read the driver's paths)."""

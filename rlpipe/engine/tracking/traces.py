@@ -14,11 +14,11 @@ the UI's input/output panes show them. A failed execution's span has status
 ERROR with the error text, and so has its step's root span.
 
 The spans are made after the fact from the records, with their recorded times, on
-the observer's writer: nothing here runs on the driver's critical path. A step's
-trace is written synchronously through the observer's own client, in two store
-calls (``log_spans`` with every span, then ``start_trace`` with the trace info),
-so it is in the store when the call returns: no process-wide tracer, no global
-tracking URI, no asynchronous export to wait for.
+the observer's writer: nothing here runs on the driver's critical path. Traces are
+written synchronously through the observer's own client, several steps at once
+(:func:`write_traces`: ``start_trace`` per step, then one ``log_spans`` with every
+step's spans), so they are in the store when the call returns: no process-wide
+tracer, no global tracking URI, no asynchronous export to wait for.
 """
 
 from __future__ import annotations
@@ -95,13 +95,36 @@ def span_attributes(r: NodeRecord) -> dict:
 
 def log_step_trace(client: MlflowClient, experiment_id: str, run_id: str, step: int,
                    records: Iterable[NodeRecord], error: str = "") -> str | None:
-    """Log one step's node executions as a trace linked to ``run_id``; returns the trace id (None: no records).
+    """Log one step's node executions as a trace linked to ``run_id``; returns the trace id (None: no records)."""
+    built = build_step_trace(experiment_id, run_id, step, records, error)
+    if built is None:
+        return None
+    write_traces(client, experiment_id, [built])
+    return built[0].trace_id
 
-    The spans are built here and written with one ``log_spans`` call and one ``start_trace`` (two store
-    transactions), not through MLflow's live-span API: that path exported every span in its own store
-    transaction from a background thread and cost ~125 ms of CPU per 7-node step on sqlite, more than a
-    quickstart-scale step itself. A store without span logging (a file store) gets the spans as the trace's
-    artifact instead, as MLflow's exporter does."""
+
+def write_traces(client: MlflowClient, experiment_id: str, built: list[tuple[TraceInfo, list[Span]]]) -> None:
+    """Write traces made by :func:`build_step_trace`: one ``start_trace`` each, then one ``log_spans`` with all
+    their spans. Not through MLflow's live-span API: that path exported every span in its own store transaction
+    from a background thread (~125 ms of CPU per 7-node step on sqlite, more than a quickstart-scale step).
+    The order matters: ``start_trace`` after ``log_spans`` finds the trace row that log_spans made and takes
+    sqlite's slow merge path (a 7-node step on this box: 37 ms of CPU one at a time in that order, 27 in
+    this one, ~10 per step when 40 steps share the log_spans). A store without span logging (a file store)
+    gets each trace's spans as its artifact instead, as MLflow's exporter does."""
+    if not built:
+        return
+    tracing = client._tracing_client  # the public MlflowClient has no batch span write
+    infos = [tracing.start_trace(info) for info, _ in built]
+    try:
+        tracing.log_spans(experiment_id, [span for _, spans in built for span in spans])
+    except NotImplementedError:
+        for info, (_, spans) in zip(infos, built):
+            tracing._upload_trace_data(info, TraceData(spans=spans))
+
+
+def build_step_trace(experiment_id: str, run_id: str, step: int, records: Iterable[NodeRecord],
+                     error: str = "") -> tuple[TraceInfo, list[Span]] | None:
+    """One step's node executions as a trace linked to ``run_id``: its info and spans (None: no records)."""
     ordered = sorted(records, key=lambda r: r.start_time)
     if not ordered:
         return None
@@ -137,16 +160,7 @@ def log_step_trace(client: MlflowClient, experiment_id: str, run_id: str, step: 
                         TraceMetadataKey.INPUTS: json.dumps(inputs), TraceMetadataKey.OUTPUTS: json.dumps(outputs)},
         tags={STEP_TAG: str(step), RUN_TAG: run_id, TraceTagKey.TRACE_NAME: f"step {step}"},
     )
-    tracing = client._tracing_client  # the public MlflowClient has no batch span write
-    try:
-        tracing.log_spans(experiment_id, spans)
-        in_store = True
-    except NotImplementedError:
-        in_store = False
-    info = tracing.start_trace(info)
-    if not in_store:
-        tracing._upload_trace_data(info, TraceData(spans=spans))
-    return trace_id
+    return info, spans
 
 
 def _span_id() -> int:
