@@ -184,6 +184,8 @@ class StepExecutor:
             self._fail(step, group[0], table, input_fp, start, exc)
         metrics: dict[str, float] = {}
         fp = input_fp
+        # a task node that ran in a worker's call says so in its lineage
+        in_worker = f"task in {self.where(next(n for n in group if n.spec.placement == 'worker'))}" if role else None
         for node, ctx, done in zip(group, ctxs, steps):
             self._record_input(step, node, table, ctx)
             spec = node.spec
@@ -198,10 +200,8 @@ class StepExecutor:
                 out = apply_result(node, table, result)
             except Exception as exc:
                 self._fail(step, node, table, fp, done.start, exc)
-            where = f"task in {self.where(next(n for n in group if n.spec.placement == 'worker'))}" \
-                if role is not None and spec.placement == "task" else None
             table, node_metrics, fp = self._finish(step, node, table, out, result, done.start, done.duration_s, fp,
-                                                   where)
+                                                   in_worker if spec.placement == "task" else None)
             metrics.update(node_metrics)
         return table, metrics, fp
 

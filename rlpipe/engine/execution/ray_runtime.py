@@ -98,9 +98,10 @@ class WorkerActor:
         self.states = {role: WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address) for role in roles}
         """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous)."""
         self.state = self.states[roles[0]]
-        for state in self.states.values():  # colocated states may work with each other in memory
-            if len(self.states) > 1 and callable(meet := getattr(state, "colocated_with", None)):
-                meet(self.states)
+        if len(self.states) > 1:  # colocated states may work with each other in memory
+            for state in self.states.values():
+                if callable(meet := getattr(state, "colocated_with", None)):
+                    meet(self.states)
 
     def ready(self) -> str:
         """Where this worker runs (pid and host), for messages that name it."""
@@ -170,8 +171,6 @@ class WorkerGroup:
                  hosted: tuple[str, ...] = ()):
         self.role = role
         self.sharded = sharded
-        self.host = role
-        """The role whose group started these workers (another role's when colocated with it)."""
         self.placement_group = None
         options: list[dict] = [{} for _ in range(size)]
         address = None
@@ -185,7 +184,7 @@ class WorkerGroup:
         tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
         hosted = hosted or (role,)
         self.hosted = hosted
-        """Every role these workers host (the data-parallel one first)."""
+        """Every role these workers host; the first is the role whose group started them."""
         self.actors = [
             WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
                                 **options[rank])
@@ -225,6 +224,11 @@ class WorkerGroup:
     @property
     def size(self) -> int:
         return len(self.actors)
+
+    @property
+    def host(self) -> str:
+        """The role whose group started these workers (another role's when colocated with it)."""
+        return self.hosted[0]
 
     def name(self, rank: int) -> str:
         """``role[rank] (pid N on host)``: how messages name one worker."""

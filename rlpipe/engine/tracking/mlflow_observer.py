@@ -423,6 +423,7 @@ class MLflowObserver:
                 return
             self._node_metrics.setdefault(node, []).extend(metrics)
             self._guard("logging node metrics", self._flush_node_metrics)
+            self._guard("logging step traces", self._flush_traces)  # traces go with the metrics (unsent_calls)
 
     def unsent_calls(self) -> list[tuple[str, tuple]]:
         """What this observer holds but has not written, as calls for the spool of a run that ended badly:
