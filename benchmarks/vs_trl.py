@@ -19,6 +19,10 @@ process, the variants are interleaved (one run of each per repeat), and the tabl
 over repeats of each run's median step time (first ``--warmup`` steps excluded).
 tokens/s = 128 × (prompt tokens + mean completion length of the run) / median step time,
 so a framework whose completions stop earlier is not credited with tokens it did not make.
+Repeat r runs every variant with seed r (sampling and prompt order; the starting weights are the
+saved model's): a run is deterministic given its seed, so the reward columns (mean reward of steps
+1-5, of all steps, of the last 10; medians over repeats) compare learning over as many trajectories
+as there are repeats, not replays of one.
 
 ``--linearity``: rlpipe's cost against the size of the work (issue 12: linear in batch size and
 response length). Inline sync (``--variants`` picks others) at 4 batch sizes (4, 8, 16, 32 prompts
@@ -49,7 +53,7 @@ VARIANTS = ("trl", "inline", "ray_sync", "ray_colocated", "separate_async")
 
 PIPELINE = """\
 name: vs-trl-{variant}
-seed: 0
+seed: {seed}
 mode: {mode}
 {mode_params}
 {resources}
@@ -100,7 +104,7 @@ def prepare(workdir: Path, seed: int = 0) -> None:
 
 
 def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: int = PROMPTS,
-               max_tokens: int = NEW_TOKENS) -> dict:
+               max_tokens: int = NEW_TOKENS, seed: int = 0) -> dict:
     """One rlpipe run in this process; per-step wall-clock stamps, rewards and completion lengths."""
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
@@ -108,7 +112,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     mode = "separate_async" if variant == "separate_async" else "sync"
     asynchronous = mode == "separate_async"
     text = PIPELINE.format(
-        variant=variant, mode=mode, steps=steps, threads=threads, model=workdir / "model", prompts=prompts,
+        variant=variant, seed=seed, mode=mode, steps=steps, threads=threads, model=workdir / "model", prompts=prompts,
         max_tokens=max_tokens,
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
@@ -134,7 +138,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
 
 
 def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None,
-            size: tuple[int, int] | None = None) -> dict:
+            size: tuple[int, int] | None = None, seed: int = 0) -> dict:
     """A fresh process per run (no warm caches carried between variants).
 
     ``<variant>@before`` runs the rlpipe checkout at ``compare_root`` instead of this one (its own
@@ -150,10 +154,10 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
         env["PYTHONPATH"] = str(compare_root)
     if name == "trl":
         cmd = [str(TRL_PY), str(ROOT / "benchmarks/vs_trl_trl.py"), "--workdir", str(workdir), "--steps", str(steps),
-               "--out", str(out), "--threads", str(threads)]
+               "--out", str(out), "--threads", str(threads), "--seed", str(seed)]
     else:
         cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
-               "--threads", str(threads), "--out", str(out)]
+               "--threads", str(threads), "--out", str(out), "--seed", str(seed)]
         if size:  # (prompts, new tokens) of a --linearity run
             cmd += ["--prompts", str(size[0]), "--max-tokens", str(size[1])]
     with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
@@ -167,7 +171,8 @@ def summarize(run: dict, warmup: int) -> dict:
     completion = float(np.nanmean(run["completion_lengths"]))
     return {"step_s": step_s, "completion_len": completion,
             "tokens_per_s": PROMPTS * SAMPLES * (PROMPT_TOKENS + completion) / step_s,
-            "reward_first5": float(np.mean(run["rewards"][:5])), "reward_last10": float(np.mean(run["rewards"][-10:])),
+            "reward_first5": float(np.mean(run["rewards"][:5])), "reward_mean": float(np.mean(run["rewards"])),
+            "reward_last10": float(np.mean(run["rewards"][-10:])),
             "rewards": run["rewards"]}
 
 
@@ -244,13 +249,14 @@ def main() -> None:
     parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # one run, in this process
     parser.add_argument("--prompts", type=int, default=PROMPTS, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         threads = 1 if args.child == "separate_async" else args.threads  # two workers share the 2 cores
         args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads, args.prompts,
-                                                  args.max_tokens)))
+                                                  args.max_tokens, args.seed)))
         return
     if args.linearity:
         linearity(args)
@@ -264,13 +270,15 @@ def main() -> None:
     loads = [load_average()]
     for repeat in range(args.repeats):
         for variant in variants:  # interleaved: load drifts hit every variant alike
-            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root),
-                                           args.warmup))
+            # repeat r samples (and orders the prompts) with seed r in every variant: the rewards compare learning
+            # over 3 trajectories, not 3 replays of one (a run is deterministic given its seed)
+            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root,
+                                                   seed=repeat), args.warmup))
             loads.append(load_average())
             print(f"repeat {repeat} {variant}: {runs[variant][-1]['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
     _fill_async_lengths(runs)
     table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
-                                                                      "reward_first5", "reward_last10")}
+                                                                      "reward_first5", "reward_mean", "reward_last10")}
              for v, rs in runs.items()}
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
               "repeats": args.repeats, "warmup": args.warmup, "load_average_1_5_15": loads,
@@ -278,12 +286,13 @@ def main() -> None:
     (ROOT / "benchmarks/results/vs_trl.json").write_text(json.dumps(result, indent=2))
     base = table.get("trl", {}).get("tokens_per_s")
     print(f"load average (1/5/15 min) during the runs: {loads[0]} … {loads[-1]}")
-    print("| variant | step (median) | tokens/s | vs TRL | completion len | reward steps 1-5 | reward last 10 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | step (median) | tokens/s | vs TRL | completion len | reward steps 1-5 | reward, all steps | "
+          "reward last 10 |")
+    print("|---|---|---|---|---|---|---|---|")
     for v, row in table.items():
         ratio = f"{row['tokens_per_s'] / base:.2f}×" if base else "–"
         print(f"| {v} | {row['step_s'] * 1e3:.0f} ms | {row['tokens_per_s']:.0f} | {ratio} | {row['completion_len']:.2f} | "
-              f"{row['reward_first5']:.3f} | {row['reward_last10']:.3f} |")
+              f"{row['reward_first5']:.3f} | {row['reward_mean']:.3f} | {row['reward_last10']:.3f} |")
 
 
 if __name__ == "__main__":

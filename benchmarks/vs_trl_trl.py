@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="sampling and prompt-order seed (the model is the saved one)")
     args = parser.parse_args()
 
     import torch
@@ -68,7 +69,7 @@ def main() -> None:
         max_steps=args.steps, per_device_train_batch_size=128, gradient_accumulation_steps=1, num_generations=8,
         max_completion_length=8, temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, epsilon=0.2, loss_type="dapo", beta=0.0,
-        num_iterations=1, logging_steps=1, report_to=[] if args.no_mlflow else ["mlflow"], save_strategy="no", seed=0, disable_tqdm=True,
+        num_iterations=1, logging_steps=1, report_to=[] if args.no_mlflow else ["mlflow"], save_strategy="no", seed=args.seed, disable_tqdm=True,
     )
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=digits_reward, args=config,
                           train_dataset=data, callbacks=[Record()])

@@ -158,10 +158,33 @@ class SequenceInputs:
             setattr(self, name, getattr(self, name).to(device))
         return self
 
-    def response_logprobs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """``[B, R]`` log-probabilities of the response tokens under ``logits`` (padding → 0)."""
+    def prompt_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Rows that share their prompt (GRPO's n samples of one prompt): ``(prompt_ids [U, P], attention_mask
+        [U, P], position_ids [U, P], row_to_prompt [B])`` over the U distinct prompts, or None when fewer than
+        half the rows repeat a prompt (a second forward call would cost more than the tokens it saves).
+        Two prompts are one only with equal ids *and* mask: a left pad may have the id of a real token."""
+        width = self.prompt_width
+        rows = torch.cat([self.input_ids[:, :width], self.attention_mask[:, :width]], dim=1)
+        distinct, row_to_prompt = torch.unique(rows, dim=0, return_inverse=True)
+        if 2 * len(distinct) > len(rows):
+            return None
+        mask = distinct[:, width:]
+        return distinct[:, :width], mask, (mask.cumsum(dim=1) - 1).clamp(min=0), row_to_prompt
+
+    def response_positions(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ``[B, R, ...]`` columns of ``logits`` that predict the response tokens. ``logits`` covers either
+        the whole sequence (``P + R`` columns, a plain forward: they start at ``P - 1``) or exactly those
+        positions (``R`` columns, what ``rlpipe.stages.logprobs.eager_logits`` returns); P >= 1 keeps the two
+        widths apart."""
+        if logits.shape[1] == self.response_width:
+            return logits
         start = self.prompt_width - 1
-        logits = logits[:, start : start + self.response_width].float()
+        return logits[:, start : start + self.response_width]
+
+    def response_logprobs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """``[B, R]`` log-probabilities of the response tokens under ``logits`` (either layout of
+        :meth:`response_positions`; padding → 0)."""
+        logits = self.response_positions(logits).float()
         if temperature != 1.0:
             logits = logits / temperature
         targets = self.input_ids[:, self.prompt_width :]

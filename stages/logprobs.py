@@ -53,8 +53,37 @@ def model_logprobs(model: torch.nn.Module, batch: pa.Table, pad_token_id: int, t
 
 
 def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
-    """``model``'s logits for ``seq`` (one plain forward call)."""
-    return model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids).logits
+    """``[B, R, V]``: ``model``'s logits at the positions that predict ``seq``'s response tokens (the prompt's
+    other positions never reach the LM head: with a real vocabulary they are most of its memory).
+
+    Rows that share a prompt (GRPO's n samples; :meth:`SequenceInputs.prompt_groups`) run it once: one forward
+    over the distinct prompts fills a KV cache, which is repeated per row (an index, differentiable: the
+    gradients of a prompt's rows add up in it), then one forward over the responses attends to it. Same
+    numbers as the plain forward up to float rounding, with P·(B - U) fewer tokens through the model (16
+    prompts × 8 samples, 9 prompt + 8 response tokens: -47% tokens, -30% forward+backward time on CPU).
+    Not for FSDP-sharded models: their ranks must run equally many forward calls (each all-gathers every
+    layer) and whether rows share prompts differs between ranks."""
+    groups = None if seq.response_width == 0 or _sharded(model) else seq.prompt_groups()
+    if groups is None:
+        return model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids,
+                     logits_to_keep=seq.response_width + 1).logits[:, :-1]
+    from transformers import DynamicCache  # lazy: transformers costs seconds to import, stage modules load at plan time
+
+    prompt_ids, prompt_mask, prompt_positions, row_to_prompt = groups
+    width = seq.prompt_width
+    cache = DynamicCache(config=model.config)
+    last = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, cache=cache,
+                 use_cache=True, logits_to_keep=1).logits
+    cache.batch_select_indices(row_to_prompt)
+    rest = model(input_ids=seq.input_ids[:, width:], attention_mask=seq.attention_mask,
+                 position_ids=seq.position_ids[:, width:], cache=cache, use_cache=True).logits
+    return torch.cat([last[row_to_prompt], rest[:, :-1]], dim=1)
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def logprobs_from_logits(seq: SequenceInputs, logits: torch.Tensor, temperature: float, with_entropy: bool = False,
@@ -63,8 +92,7 @@ def logprobs_from_logits(seq: SequenceInputs, logits: torch.Tensor, temperature:
     logp = seq.response_logprobs(logits, temperature)
     second = None
     if with_entropy or with_sum_pi_squared:
-        start = seq.prompt_width - 1
-        scaled = logits[:, start : start + seq.response_width] / temperature
+        scaled = seq.response_positions(logits) / temperature
         per_token = entropy_from_logits(scaled) if with_entropy else torch.softmax(scaled.float(), -1).square().sum(-1)
         second = per_token * seq.response_padding
     return logp, second

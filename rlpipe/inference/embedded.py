@@ -20,8 +20,10 @@ while requests are in flight; callers ``abort_all()`` first and resubmit the
 partial trajectories, which are re-prefilled under the new weights (the old KV
 cache is invalid), so their versions switch exactly at the push.
 
-Left out: greedy decoding (temperature must be > 0), stop strings, prefix-cache
-reuse across requests, speculative decoding, and trimming of left padding that
+Requests of one cohort with equal tokens (the n samples of a prompt) are prefilled
+once and share the KV rows. Left out: greedy decoding (temperature must be > 0), stop
+strings, prefix-cache reuse across cohorts and for partly equal prompts, speculative
+decoding, and trimming of left padding that
 finished rows leave behind in a cohort.
 """
 
@@ -239,10 +241,21 @@ class EmbeddedEngine(RolloutEngine):
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         from transformers import DynamicCache  # lazy: see the TYPE_CHECKING import above
         cache = DynamicCache(config=self.model.config)
+        # n samples of one prompt arrive as n requests with equal tokens: prefill each distinct sequence once and
+        # repeat its KV cache rows (vLLM/SGLang get the same from their prefix caches). Equal ids *and* mask: a
+        # left pad may carry a real token's id.
+        distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask], dim=1), dim=0, return_inverse=True)
+        shared = 2 * len(distinct) <= len(seqs)
+        if shared:
+            input_ids, attention_mask = distinct[:, :width], distinct[:, width:]
+            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         logits = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
+        if shared:
+            cache.batch_select_indices(row_of)
+            logits, attention_mask = logits[row_of], attention_mask[row_of]
         prefix = torch.tensor([len(r.response_ids) for r in requests])
         budget = torch.tensor([r.max_tokens for r in requests]) - prefix
         keys = torch.tensor([sampling.stream_key(r.sampling.seed, r.request_id) for r in requests])

@@ -98,6 +98,21 @@ def test_same_seed_same_trajectories_independent_of_the_batch():
     assert np.array_equal(alone.response_ids, a[5].response_ids)
 
 
+def test_requests_with_equal_prompts_are_prefilled_once_and_sample_as_if_alone():
+    eng = engine()
+    rows_in = []  # batch rows of every forward: the prefill's, then one per decode step
+    hook = eng.model.get_input_embeddings().register_forward_hook(lambda m, i, o: rows_in.append(i[0].shape))
+    together = eng.generate(requests(n=12, seed=3))  # 4 prompts × 3 requests
+    hook.remove()
+    assert rows_in[0][0] == 4  # the prefill ran each distinct prompt once
+    # every request not done after its first token decodes on its own row of the repeated cache
+    assert rows_in[1][0] == sum(len(r.response_ids) > 1 for r in together) > 4
+    for i, result in enumerate(together):
+        alone = engine().generate(requests(n=12, seed=3)[i : i + 1])[0]
+        assert np.array_equal(alone.response_ids, result.response_ids)
+        np.testing.assert_allclose(alone.logprobs, result.logprobs, rtol=0, atol=1e-5)
+
+
 def test_stop_and_length_finish_reasons():
     results = engine().generate(requests(n=32, max_tokens=12))
     eos = TOK.eos_token_id

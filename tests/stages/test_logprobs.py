@@ -202,3 +202,51 @@ def test_trainer_writes_sum_pi_squared_per_response_token_on_request(state):
         expected.append(probs.square().sum(-1).tolist())
     assert_rows_close(result.columns["sum_pi_squared"], expected)
     assert_rows_close(result.columns["old_logprobs"], per_row_logprobs(state.model, 0.7))
+
+
+# --- rows sharing a prompt (GRPO's n samples) run it once ---------------------------------------------------------
+# prompts [0, 5] and [5] left-pad to the same ids with pad id 0: only their masks tell them apart
+SHARED_PROMPTS = [[5, 6], [5, 6], [5, 6], [7, 8, 9], [7, 8, 9], [0, 5], [5], [0, 5]]
+SHARED_RESPONSES = [[6, 7, 8, 9], [4], [10, 14], [4, 4, 4], [], [3, 2], [1, 2, 3], [9]]
+
+
+def test_rows_sharing_a_prompt_give_the_per_row_logits_and_gradients_with_each_prompt_run_once():
+    from rlpipe.jagged import SequenceInputs
+    from rlpipe.stages.logprobs import eager_logits
+
+    model = TrainState(config(), 0, 1, None).model
+    seq = SequenceInputs(pa.array(SHARED_PROMPTS, I32), pa.array(SHARED_RESPONSES, I32), pad_token_id=0)
+    prompt_ids, prompt_mask, _, row_to_prompt = seq.prompt_groups()
+    assert len(prompt_ids) == 4  # [5, 6], [7, 8, 9], [0, 5], [5]: the pad collision did not merge two
+    assert row_to_prompt.tolist() == [row_to_prompt[0]] * 3 + [row_to_prompt[3]] * 2 + [row_to_prompt[5],
+                                                                                         row_to_prompt[6], row_to_prompt[5]]
+    assert len(set(row_to_prompt.tolist())) == 4
+    tokens_in = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens_in.append(i[0].numel()))
+    logits = eager_logits(model, seq)
+    hook.remove()
+    assert tokens_in == [4 * seq.prompt_width, 8 * seq.response_width]  # the prompts once, then the responses
+    assert logits.shape[:2] == (8, seq.response_width)
+    for row, (prompt, response) in enumerate(zip(SHARED_PROMPTS, SHARED_RESPONSES)):  # each row alone, unpadded
+        alone = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        torch.testing.assert_close(logits[row, : len(response)], alone, rtol=0, atol=1e-5)
+
+    def grads(logits_of):  # a loss over every real response token; its gradient on every parameter
+        model.zero_grad()
+        (seq.response_logprobs(logits_of()) * seq.response_padding).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads(lambda: model(input_ids=seq.input_ids, attention_mask=seq.attention_mask,
+                                position_ids=seq.position_ids).logits)
+    shared = grads(lambda: eager_logits(model, seq))
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_with_distinct_prompts_take_the_plain_forward():
+    from rlpipe.jagged import SequenceInputs
+
+    seq = SequenceInputs(pa.array(PROMPTS, I32), pa.array(RESPONSES, I32), pad_token_id=0)
+    assert seq.prompt_groups() is None  # nothing repeats: one forward over the whole rows
+    half = SequenceInputs(pa.array(PROMPTS + PROMPTS[:1], I32), pa.array(RESPONSES + RESPONSES[:1], I32), 0)
+    assert half.prompt_groups() is None  # 3 distinct of 4 rows: a second forward would cost more than it saves

@@ -26,7 +26,7 @@ from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError
 from rlpipe.jagged import SequenceInputs
 from rlpipe.schemas.config import StageConfig
-from rlpipe.stages.logprobs import eager_logits, score_batch
+from rlpipe.stages.logprobs import score_batch
 
 PROMPTS = [[5, 6], [7, 8, 9, 10, 11], [12], [4, 4, 5, 6]]
 RESPONSES = [[6, 7, 8, 9], [4], [10, 14, 5], []]
@@ -38,7 +38,8 @@ def test_left_packed_rows_give_the_logits_of_the_left_padded_layout():
     model = TrainState(config(), 0, 1, None).model.eval()
     seq = SequenceInputs(pa.array(PROMPTS, pa.list_(pa.int32())), pa.array(RESPONSES, pa.list_(pa.int32())), 0)
     with torch.no_grad():
-        reference = eager_logits(model, seq)
+        reference = model(input_ids=seq.input_ids, attention_mask=seq.attention_mask,
+                          position_ids=seq.position_ids).logits  # the left-padded layout, every position
         # positions 0..S-1 and a causal mask only, as megatron's GPTModel sees the rows
         packed = packed_logits(lambda ids, pos, mask: model(input_ids=ids, position_ids=pos).logits, seq)
     real = seq.attention_mask.bool()
