@@ -65,8 +65,7 @@ def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
     layer) and whether rows share prompts differs between ranks."""
     groups = None if seq.response_width == 0 or _sharded(model) else seq.prompt_groups()
     if groups is None:
-        return model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids,
-                     logits_to_keep=seq.response_width + 1).logits[:, :-1]
+        return _plain_logits(model, seq)
     from transformers import DynamicCache  # lazy: transformers costs seconds to import, stage modules load at plan time
 
     prompt_ids, prompt_mask, prompt_positions, row_to_prompt = groups
@@ -74,10 +73,17 @@ def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     last = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, cache=cache,
                  use_cache=True, logits_to_keep=1).logits
+    if cache.get_seq_length() != width:  # a model that kept no cache (HF turns it off under gradient checkpointing)
+        return _plain_logits(model, seq)
     cache.batch_select_indices(row_to_prompt)
     rest = model(input_ids=seq.input_ids[:, width:], attention_mask=seq.attention_mask,
                  position_ids=seq.position_ids[:, width:], cache=cache, use_cache=True).logits
     return torch.cat([last[row_to_prompt], rest[:, :-1]], dim=1)
+
+
+def _plain_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
+    return model(input_ids=seq.input_ids, attention_mask=seq.attention_mask, position_ids=seq.position_ids,
+                 logits_to_keep=seq.response_width + 1).logits[:, :-1]
 
 
 def _sharded(model: torch.nn.Module) -> bool:

@@ -250,3 +250,18 @@ def test_rows_with_distinct_prompts_take_the_plain_forward():
     assert seq.prompt_groups() is None  # nothing repeats: one forward over the whole rows
     half = SequenceInputs(pa.array(PROMPTS + PROMPTS[:1], I32), pa.array(RESPONSES + RESPONSES[:1], I32), 0)
     assert half.prompt_groups() is None  # 3 distinct of 4 rows: a second forward would cost more than it saves
+
+
+def test_a_model_that_keeps_no_cache_takes_the_plain_forward():
+    from rlpipe.jagged import SequenceInputs
+    from rlpipe.stages.logprobs import eager_logits
+
+    model = TrainState(config(), 0, 1, None).model
+    seq = SequenceInputs(pa.array(SHARED_PROMPTS, I32), pa.array(SHARED_RESPONSES, I32), pad_token_id=0)
+    shared = eager_logits(model, seq)
+    model.activation_checkpointing_enable()  # HF drops the KV cache of a training forward under checkpointing
+    try:
+        without_cache = eager_logits(model, seq)
+    finally:
+        model.activation_checkpointing_disable()
+    torch.testing.assert_close(without_cache, shared, rtol=0, atol=1e-5)  # not the responses alone
