@@ -284,6 +284,9 @@ class TrackingConfig(Strict):
     """Longest the end of a run waits for tracking calls still queued (a server that went away); what is
     not delivered by then is written to `<output_dir>/<run>/tracking_spool.jsonl`, which
     `rlpipe spool replay PATH` sends to MLflow later."""
+    start_timeout_s: float = Field(300.0, gt=0)
+    """Longest the run waits for the tracking process to open its MLflow run (import MLflow, create or resume
+    the run, log the config); past it the run fails before any step, naming this field (a store that hangs)."""
     max_queued_calls: int = Field(256, ge=1)
     """Most tracking calls (a node record, a step end ...; ~9 per step) waiting for the MLflow writer, which
     runs in its own process; past it the run waits for the writer (backpressure) instead of holding an

@@ -20,8 +20,8 @@ from rlpipe.engine.tracking.process_observer import ProcessObserver
 class FileRecorder:
     """An observer in the child process that appends each call to a JSON-lines file (the test reads it back)."""
 
-    def __init__(self, path: str, delay_s: float = 0.0, fail_start: bool = False):
-        self.path, self.delay_s, self.fail_start = path, delay_s, fail_start
+    def __init__(self, path: str, delay_s: float = 0.0, fail_start: bool = False, hang_start: bool = False):
+        self.path, self.delay_s, self.fail_start, self.hang_start = path, delay_s, fail_start, hang_start
         self.failures: list[str] = []
 
     def _write(self, *entry) -> None:
@@ -31,6 +31,8 @@ class FileRecorder:
     def on_run_start(self, config, pipeline_yaml, plan_summary):
         if self.fail_start:
             raise ValueError("no store here")
+        if self.hang_start:  # a store that never answers
+            time.sleep(3600)
         self._write("start", os.getpid())
         return "run-1"
 
@@ -92,6 +94,20 @@ def test_a_start_failure_is_raised_in_the_training_process(tmp_path):
     obs = ProcessObserver(partial(FileRecorder, str(tmp_path / "calls.jsonl"), fail_start=True), drain_timeout_s=60)
     with pytest.raises(ValueError, match="no store here"):
         obs.on_run_start({}, "", {})
+
+
+def test_a_start_that_hangs_fails_the_run_at_the_start_timeout_and_stops_the_child(tmp_path):
+    from rlpipe.engine.tracking.process_observer import TrackingProcessError
+
+    obs = ProcessObserver(partial(FileRecorder, str(tmp_path / "calls.jsonl"), hang_start=True), drain_timeout_s=60,
+                          start_timeout_s=2)
+    began = time.monotonic()
+    with pytest.raises(TrackingProcessError, match="tracking.start_timeout_s=2 s"):
+        obs.on_run_start({}, "", {})
+    assert time.monotonic() - began < 30  # the bound, the child's stop and the listener's join; not the hour
+    assert not obs._process.is_alive()
+    obs.on_node_end("after")  # ignored with a warning: the child is gone
+    obs.on_run_end("FAILED")  # returns at once
 
 
 def test_the_tracking_process_logs_through_this_process_loggers(tmp_path, caplog):

@@ -144,8 +144,10 @@ class ProcessObserver:
     ``make_inner`` builds the real observer in the child (picklable: a module-level class or
     ``functools.partial``); ``spool_path(run_id)`` likewise."""
 
-    def __init__(self, make_inner, drain_timeout_s: float, spool_path=None, max_queued: int = 256):
+    def __init__(self, make_inner, drain_timeout_s: float, spool_path=None, max_queued: int = 256,
+                 start_timeout_s: float = 300.0):
         self.drain_timeout_s = drain_timeout_s
+        self.start_timeout_s = start_timeout_s
         self.spooled: str | None = None
         """The spool file the run wrote, if any (known after on_run_end)."""
         ctx = mp.get_context("spawn")  # not fork: Ray and torch threads live in this process
@@ -175,13 +177,23 @@ class ProcessObserver:
         # reads the child's replies and log records; blocked on a pipe (no GIL) between them
         self._listener = threading.Thread(target=self._listen, name="rlpipe-tracking-listener", daemon=True)
         self._listener.start()
-        self._send(("start", config, pipeline_yaml, plan_summary))
-        kind, value = self._reply(None)
+        self._send(("start", config, pipeline_yaml, plan_summary), self.start_timeout_s)
+        kind, value = self._reply(self.start_timeout_s)
         if kind != "started":
+            hung = kind == "gone" and self._process.is_alive()
+            if hung:  # no answer in time: a store that hangs (an unreachable server, a stuck file system)
+                self._process.kill()  # SIGKILL: the child ignores SIGTERM (it ends runs only when told to)
             self._process.join(10)
+            self._ended = True  # nothing more goes to a child that is gone
             self._stop_listener()
             if kind == "start_failed":
                 raise value
+            if hung:
+                raise TrackingProcessError(
+                    f"the tracking process did not open the MLflow run within tracking.start_timeout_s="
+                    f"{self.start_timeout_s:g} s (is the tracking store reachable?); it was stopped and no step "
+                    "ran. Check tracking.uri / MLFLOW_TRACKING_URI, raise tracking.start_timeout_s, or set "
+                    "tracking.enabled: false")
             raise TrackingProcessError(f"the tracking process died at start (exit code {self._process.exitcode})")
         return value
 
@@ -286,4 +298,5 @@ def mlflow_process_observer(tracking, run_name: str, spool_path, resume_run_id: 
     """The MLflow observer of a run, in its own process (``tracking``: a TrackingConfig; ``spool_path``
     picklable)."""
     make_inner = partial(_mlflow_observer, tracking, run_name, resume_run_id, tags)
-    return ProcessObserver(make_inner, tracking.drain_timeout_s, spool_path, tracking.max_queued_calls)
+    return ProcessObserver(make_inner, tracking.drain_timeout_s, spool_path, tracking.max_queued_calls,
+                           tracking.start_timeout_s)
