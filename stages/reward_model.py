@@ -78,6 +78,30 @@ class ValueHeadModel(torch.nn.Module):
         self.v_head = torch.nn.Linear(lm.config.hidden_size, 1)
 
 
+def _load_value_head(head: torch.nn.Linear, path: Path) -> None:
+    """``head``'s weight and bias from ``path`` (a ``torch.save``\ d state dict), read as tensors only (no
+    pickled objects run) and checked: a file that is not such a state dict, or whose shapes differ, is a
+    ConfigError naming the file and what it must hold."""
+    want = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict) or {k: tuple(getattr(v, "shape", ())) for k, v in state.items()} != want:
+            raise ValueError(f"it holds {_describe(state)}")
+        if not all(bool(torch.isfinite(v).all()) for v in state.values()):
+            raise ValueError("it holds non-finite values")
+        head.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001 - any unreadable or wrong file is the same user error
+        raise ConfigError(f"reward model value head {str(path)!r} is unusable: {exc}. It must be the state dict of "
+                          f"the head, tensors {want} (torch.save(v_head.state_dict(), path)); remove it to start "
+                          "the head at zero") from None
+
+
+def _describe(state) -> str:
+    if isinstance(state, dict):
+        return "{" + ", ".join(f"{k!r}: {tuple(getattr(v, 'shape', ()))}" for k, v in state.items()) + "}"
+    return f"a {type(state).__name__}"
+
+
 def build_reward_model(cfg: RewardModelConfig, tokenizer) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(backbone, scalar head) of the reward model ``cfg`` describes, in eval mode."""
     from transformers import AutoModelForSequenceClassification
@@ -94,7 +118,7 @@ def build_reward_model(cfg: RewardModelConfig, tokenizer) -> tuple[torch.nn.Modu
             if cfg.path is not None:
                 torch.nn.init.zeros_(model.v_head.weight), torch.nn.init.zeros_(model.v_head.bias)
                 if head_file.is_file():
-                    model.v_head.load_state_dict(torch.load(head_file, map_location="cpu"))
+                    _load_value_head(model.v_head, head_file)
             backbone, head = model.backbone, model.v_head
         elif cfg.path is not None:
             if not Path(cfg.path).is_dir():

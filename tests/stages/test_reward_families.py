@@ -289,3 +289,27 @@ def test_routes_pick_the_families_per_data_source():
     with pytest.raises(ValueError, match=r"routes.chat: families \['judge'\] are not configured"):
         WeightedRewardParams.model_validate({"rule": {}, "routes": {"chat": ["judge"]}})
     pool.close()
+
+
+def test_rm_value_head_file_is_loaded_as_tensors_and_checked(tmp_path):
+    from rlpipe.backends.model import save_hf_model
+    from rlpipe.errors import ConfigError
+
+    policy = build_tokenizer(CHARS)
+    save_hf_model(build_model(ModelConfig(architecture=ArchitectureConfig(**ARCH)), policy, 0), policy, tmp_path)
+    cfg = RewardModelConfig(path=str(tmp_path), head="value_head")
+    head = {"weight": torch.full((1, ARCH["hidden_size"]), 0.5), "bias": torch.tensor([2.0])}
+    torch.save(head, tmp_path / "value_head.pt")
+    rm = RewardModel(cfg, policy)
+    torch.testing.assert_close(rm.head.weight, head["weight"])
+    torch.testing.assert_close(rm.head.bias, head["bias"])
+    torch.save({"weight": torch.zeros(1, 7), "bias": torch.zeros(1)}, tmp_path / "value_head.pt")  # another model's
+    with pytest.raises(ConfigError, match=r"value_head.pt.*unusable.*\(1, 7\).*torch.save"):
+        RewardModel(cfg, policy)
+    torch.save({"weight": torch.full((1, ARCH["hidden_size"]), float("nan")), "bias": torch.zeros(1)},
+               tmp_path / "value_head.pt")
+    with pytest.raises(ConfigError, match="non-finite"):
+        RewardModel(cfg, policy)
+    torch.save(ConfigError("an arbitrary pickled object"), tmp_path / "value_head.pt")  # refused unrun
+    with pytest.raises(ConfigError, match="unusable"):
+        RewardModel(cfg, policy)
