@@ -79,7 +79,7 @@ class ValueHeadModel(torch.nn.Module):
 
 
 def _load_value_head(head: torch.nn.Linear, path: Path) -> None:
-    """``head``'s weight and bias from ``path`` (a ``torch.save``\ d state dict), read as tensors only (no
+    """``head``'s weight and bias from ``path`` (a state dict saved with ``torch.save``), read as tensors only (no
     pickled objects run) and checked: a file that is not such a state dict, or whose shapes differ, is a
     ConfigError naming the file and what it must hold."""
     want = {name: tuple(t.shape) for name, t in head.state_dict().items()}
