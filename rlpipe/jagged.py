@@ -130,6 +130,13 @@ def last_token_placement(scores: np.ndarray, mask: ListLike) -> pa.ListArray:
     return from_flat(out, lens, pa.float32())
 
 
+MIN_SHARED_PROMPT_SAVING = 0.1
+"""Least share of a micro-batch's tokens that running each distinct prompt once must save before the trainer's
+forward does it (:meth:`SequenceInputs.prompt_groups`). Measured on CPU (2-layer, 64-wide model, forward +
+backward): 9-token prompts × 8 samples with ≤ 8-token responses save 46% of the tokens and 42% of the update;
+3-token prompts × 4 samples with ≤ 96-token responses save 2% of the tokens and ran ~5% slower shared."""
+
+
 class SequenceInputs:
     """Prompt (left-padded) + response (right-padded) packed for one causal-LM forward.
 
@@ -160,13 +167,16 @@ class SequenceInputs:
 
     def prompt_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Rows that share their prompt (GRPO's n samples of one prompt): ``(prompt_ids [U, P], attention_mask
-        [U, P], position_ids [U, P], row_to_prompt [B])`` over the U distinct prompts, or None when fewer than
-        half the rows repeat a prompt (a second forward call would cost more than the tokens it saves).
-        Two prompts are one only with equal ids *and* mask: a left pad may have the id of a real token."""
+        [U, P], position_ids [U, P], row_to_prompt [B])`` over the U distinct prompts, or None when running each
+        distinct prompt once would save less than :data:`MIN_SHARED_PROMPT_SAVING` of the tokens of a plain
+        forward, ``(B - U)·P`` of ``B·(P + R)`` (short prompts, long responses: a second forward call and the
+        cache would cost more than they save). Two prompts are one only with equal ids *and* mask: a left pad
+        may have the id of a real token."""
         width = self.prompt_width
         rows = torch.cat([self.input_ids[:, :width], self.attention_mask[:, :width]], dim=1)
         distinct, row_to_prompt = torch.unique(rows, dim=0, return_inverse=True)
-        if 2 * len(distinct) > len(rows):
+        saved = (len(rows) - len(distinct)) * width
+        if saved < MIN_SHARED_PROMPT_SAVING * len(rows) * (width + self.response_width):
             return None
         mask = distinct[:, width:]
         return distinct[:, :width], mask, (mask.cumsum(dim=1) - 1).clamp(min=0), row_to_prompt
