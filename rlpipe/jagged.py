@@ -130,6 +130,15 @@ def last_token_placement(scores: np.ndarray, mask: ListLike) -> pa.ListArray:
     return from_flat(out, lens, pa.float32())
 
 
+def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct rows of a left-padded ``[B, L]`` batch: ``(ids [U, L], mask [U, L], position_ids [U, L],
+    row_to_distinct [B])``. Two rows are one only with equal ids *and* mask: a left pad may carry a real token's id."""
+    width = ids.shape[1]
+    distinct, row_to_distinct = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+    distinct_mask = distinct[:, width:]
+    return distinct[:, :width], distinct_mask, (distinct_mask.cumsum(dim=1) - 1).clamp(min=0), row_to_distinct
+
+
 MIN_SHARED_PROMPT_SAVING = 0.1
 """Least share of a micro-batch's tokens that running each distinct prompt once must save before the trainer's
 forward does it (:meth:`SequenceInputs.prompt_groups`). Measured on CPU (2-layer, 64-wide model, forward +
@@ -170,16 +179,13 @@ class SequenceInputs:
         [U, P], position_ids [U, P], row_to_prompt [B])`` over the U distinct prompts, or None when running each
         distinct prompt once would save less than :data:`MIN_SHARED_PROMPT_SAVING` of the tokens of a plain
         forward, ``(B - U)·P`` of ``B·(P + R)`` (short prompts, long responses: a second forward call and the
-        cache would cost more than they save). Two prompts are one only with equal ids *and* mask: a left pad
-        may have the id of a real token."""
+        cache would cost more than they save). Prompts are compared as :func:`distinct_rows` does."""
         width = self.prompt_width
-        rows = torch.cat([self.input_ids[:, :width], self.attention_mask[:, :width]], dim=1)
-        distinct, row_to_prompt = torch.unique(rows, dim=0, return_inverse=True)
-        saved = (len(rows) - len(distinct)) * width
-        if saved < MIN_SHARED_PROMPT_SAVING * len(rows) * (width + self.response_width):
+        groups = distinct_rows(self.input_ids[:, :width], self.attention_mask[:, :width])
+        rows = len(self.input_ids)
+        if (rows - len(groups[0])) * width < MIN_SHARED_PROMPT_SAVING * rows * (width + self.response_width):
             return None
-        mask = distinct[:, width:]
-        return distinct[:, :width], mask, (mask.cumsum(dim=1) - 1).clamp(min=0), row_to_prompt
+        return groups
 
     def response_positions(self, logits: torch.Tensor) -> torch.Tensor:
         """The ``[B, R, ...]`` columns of ``logits`` that predict the response tokens. ``logits`` covers either

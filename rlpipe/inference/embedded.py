@@ -50,6 +50,7 @@ from rlpipe.inference.contract import (
     validate_request,
 )
 from rlpipe.backends.weights import WeightBucket, load_buckets
+from rlpipe.jagged import distinct_rows
 
 if TYPE_CHECKING:  # transformers costs seconds to import; stage modules import this one at plan time
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -242,13 +243,11 @@ class EmbeddedEngine(RolloutEngine):
         from transformers import DynamicCache  # lazy: see the TYPE_CHECKING import above
         cache = DynamicCache(config=self.model.config)
         # n samples of one prompt arrive as n requests with equal tokens: prefill each distinct sequence once and
-        # repeat its KV cache rows (vLLM/SGLang get the same from their prefix caches). Equal ids *and* mask: a
-        # left pad may carry a real token's id.
-        distinct, row_of = torch.unique(torch.cat([input_ids, attention_mask], dim=1), dim=0, return_inverse=True)
-        shared = 2 * len(distinct) <= len(seqs)
+        # repeat its KV cache rows (vLLM/SGLang get the same from their prefix caches)
+        distinct_ids, distinct_mask, distinct_positions, row_of = distinct_rows(input_ids, attention_mask)
+        shared = 2 * len(distinct_ids) <= len(seqs)
         if shared:
-            input_ids, attention_mask = distinct[:, :width], distinct[:, width:]
-            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+            input_ids, attention_mask, position_ids = distinct_ids, distinct_mask, distinct_positions
         logits = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
