@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable, Protocol
 
 import numpy as np
 import pyarrow as pa
 from rlpipe.deadline import StageTimeout, call_with_deadline
-from rlpipe.engine.tracking.lineage import execution_fields, fingerprint
+from rlpipe.engine.tracking.lineage import LazyFingerprint, execution_fields
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
@@ -54,6 +55,18 @@ class Backend(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # optional: ``overlap(work)``: call ``work()`` whenever the backend waits on a remote call (Ray). The executor
+    # then writes each node's lineage record while the next node runs instead of before it starts.
+
+
+class _Backlog(threading.local):
+    """This thread's lineage records not yet handed to the observer (oldest first), and the first error one
+    raised while the driver was waiting on a remote call (raised at the end of the executor's ``run``)."""
+
+    def __init__(self) -> None:
+        self.records: list[Callable[[], None]] = []
+        self.error: BaseException | None = None
+
 
 class StepExecutor:
     """Runs nodes of a plan; one instance per pipeline run."""
@@ -79,6 +92,13 @@ class StepExecutor:
         """Every N steps, hand each node's input batch and context to the observer (for replay); 0 = never."""
         self.replica_of: dict[str, int] = {}
         """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
+        self._backlog = _Backlog()
+        overlap = getattr(backend, "overlap", None)
+        self._records_overlap = callable(overlap)
+        """On a backend whose stages run elsewhere (Ray) a node's record (fingerprints: ~0.5 ms a node) is written
+        while the driver waits on the next call; in-process, at once. Either way before ``run`` returns."""
+        if self._records_overlap:
+            overlap(self._write_backlog_while_waiting)
 
     def note_replicas(self, uids: list[str], replica: int) -> None:
         """Remember that rollout replica ``replica`` generates the prompts ``uids``."""
@@ -100,7 +120,7 @@ class StepExecutor:
         other consecutive task nodes as one task. One round trip and one shipment of the batch
         instead of one per node; each node still gets its own lineage record."""
         metrics: dict[str, float] = {}
-        fp = fingerprint(table)
+        fp = LazyFingerprint(table)
         todo = list(nodes if nodes is not None else self.plan.nodes)
         i = 0
         while i < len(todo):
@@ -111,7 +131,28 @@ class StepExecutor:
                 table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
             metrics.update(node_metrics)
             i += len(group)
+        self.write_backlog()
         return table, metrics
+
+    def write_backlog(self) -> None:
+        """Hand this thread's pending lineage records to the observer, in order; raise the first error one raised
+        while the driver was waiting on a remote call."""
+        backlog = self._backlog
+        while backlog.records:
+            backlog.records.pop(0)()
+        error, backlog.error = backlog.error, None
+        if error is not None:
+            raise error
+
+    def _write_backlog_while_waiting(self) -> None:
+        """The backend's wait hook: write pending records; an error waits for :meth:`write_backlog` (raised from
+        inside the backend's call it would read as a failure of the node it waits on)."""
+        backlog = self._backlog
+        while backlog.records and backlog.error is None:
+            try:
+                backlog.records.pop(0)()
+            except Exception as exc:  # noqa: BLE001 - kept, raised by write_backlog
+                backlog.error = exc
 
     def _fusable(self, nodes: list[PlannedNode], i: int) -> tuple[list[PlannedNode], str | None]:
         """The nodes from ``nodes[i]`` that run as one call, and the role whose worker runs them (None: a task).
@@ -145,7 +186,7 @@ class StepExecutor:
                             dp_size=self.dp_size, extras={**self.base_extras, **extras},
                             carry=dict(self.carry.get(node.name, {})))
 
-    def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str,
+    def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint,
                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
         ctx = self._context(step, node, extras)
         for hook in self.before_node:
@@ -159,8 +200,8 @@ class StepExecutor:
             self._fail(step, node, table, input_fp, start, exc)
         return self._finish(step, node, table, out, result, start, time.time() - start, input_fp)
 
-    def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str,
-                  extras: dict[str, Any], role: str | None = None) -> tuple[pa.Table, dict[str, float], str]:
+    def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str | LazyFingerprint,
+                  extras: dict[str, Any], role: str | None = None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         """``group`` as one backend call (see :meth:`_fusable`; ``role``: the worker that runs it, None: a
         task); then, per node, the same records and checks as :meth:`run_node` (its result applied here to
         rebuild its input and output). The mode hooks of the group's nodes run before and after the whole
@@ -205,8 +246,9 @@ class StepExecutor:
             metrics.update(node_metrics)
         return table, metrics, fp
 
-    def _fail(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str, start: float, exc: Exception):
-        """Record the failed execution and raise its StageError."""
+    def _fail(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint, start: float,
+              exc: Exception):
+        """Record the failed execution (after the records of the nodes before it) and raise its StageError."""
         if isinstance(exc, StageTimeout):
             error = StageError(node.kind, node.impl, step, (
                 f"node {node.name!r} timed out: {exc}. If the stage is only slow, raise its `timeout_s` "
@@ -214,6 +256,7 @@ class StepExecutor:
             ))
         else:
             error = _stage_error(node, step, exc)
+        self.write_backlog()
         self._record_failure(step, node, table, input_fp, start, error)
         if error is exc:
             raise exc
@@ -221,7 +264,8 @@ class StepExecutor:
         raise error from (None if chained else exc)
 
     def _finish(self, step: int, node: PlannedNode, table: pa.Table, out: pa.Table, result: StageResult, start: float,
-                duration: float, input_fp: str, where: str | None = None) -> tuple[pa.Table, dict[str, float], str]:
+                duration: float, input_fp: str | LazyFingerprint,
+                where: str | None = None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.kind == "weight_sync":
@@ -231,7 +275,14 @@ class StepExecutor:
                 self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
-        out_fp = self.record(step, node, table, out, start, duration, result.metrics, input_fp, where)
+        out_fp = LazyFingerprint(out)
+        # what the record says is fixed now (the version it ran under, where); hashing and handing it over may wait
+        trainer_version, worker = self.policy_version, where if where is not None else self.where(node)
+        self._backlog.records.append(lambda: self.record_external(
+            step, node, worker=worker, trainer_version=trainer_version,
+            **execution_fields(table, out, start, duration, result.metrics, input_fp, out_fp)))
+        if not self._records_overlap:
+            self.write_backlog()
         for hook in self.after_node:
             hook(node, step)
         return out, metrics, out_fp
@@ -254,10 +305,10 @@ class StepExecutor:
         on_node_input(step, node.name, table, {"step": ctx.step, "seed": ctx.seed, "policy_version": ctx.policy_version,
                                                "dp_size": ctx.dp_size, "extras": ctx.extras, "carry": ctx.carry})
 
-    def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str, start: float,
-                        error: BaseException) -> None:
+    def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str | LazyFingerprint,
+                        start: float, error: BaseException) -> None:
         """The lineage of a failed execution: its input and the error (the trace shows it in red)."""
-        self.record_external(step, node, input_fingerprint=input_fp, output_fingerprint="", rows_in=table_in.num_rows,
+        self.record_external(step, node, input_fingerprint=str(input_fp), output_fingerprint="", rows_in=table_in.num_rows,
                              rows_out=0, policy_versions=[], start_time=start, duration_s=time.time() - start,
                              metrics={}, error=f"{type(error).__name__}: {error}")
 
@@ -276,15 +327,16 @@ class StepExecutor:
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,
                         duration_s: float, metrics: dict[str, float], worker: str | None = None,
-                        error: str = "") -> None:
+                        error: str = "", trainer_version: int | None = None) -> None:
         """Hand the observer a node execution that another process ran and fingerprinted
-        (separate_async's rollout replicas score their own groups)."""
+        (separate_async's rollout replicas score their own groups). ``trainer_version``: the trainer's
+        version when it ran (default: now)."""
         self.observer.on_node_end(NodeRecord(
             run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
             params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
             input_fingerprint=input_fingerprint, output_fingerprint=output_fingerprint,
             rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
-            trainer_version=self.policy_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
+            trainer_version=self.policy_version if trainer_version is None else trainer_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
             worker=worker if worker is not None else self.where(node), error=error,
         ))
 

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -263,6 +263,14 @@ class RayBackend:
         """Task stages next to a single worker's stages run in that worker's call (resources.task_stages_in_workers)."""
         self.workers = RayWorkerCalls(groups)
 
+    def overlap(self, work: Callable[[], None]) -> None:
+        """Call ``work()`` each time the driver waits on a remote call (stage calls and the workers facade's
+        ``resolve``): the executor's lineage records of the nodes before are written while this one runs."""
+        self._while_waiting = self.workers.while_waiting = work
+
+    def _while_waiting(self) -> None:
+        """Driver work to do while a remote call runs (see :meth:`overlap`); none by default."""
+
     @classmethod
     def start(cls, config, roles: set[str], shipped: ShippedDirs | None = None) -> "RayBackend":
         """Start one worker group per role (all concurrently: DP ranks rendezvous while starting); ``shipped``:
@@ -339,6 +347,7 @@ class RayBackend:
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
                  timeout_s: float | None = None) -> StageResult:
         ref = run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx)
+        self._while_waiting()
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -349,6 +358,7 @@ class RayBackend:
                        timeout_s: float | None = None) -> list[ChainStep]:
         """``stages`` as one task (see :func:`run_task_chain`); :class:`StageTimeout` after ``timeout_s``."""
         ref = run_task_chain.remote(stages, ray.put(contiguous(table)), ctxs)
+        self._while_waiting()
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -367,6 +377,7 @@ class RayBackend:
             raise ValueError(f"a chain runs on a role with one worker; {role} has {group.size}")
         names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
         ref = group.actors[0].run_chain.remote(stages, contiguous(table), ctxs)
+        self._while_waiting()
         ready, _ = ray.wait([ref], timeout=timeout_s)
         if not ready:
             group.kill(0)
@@ -386,6 +397,7 @@ class RayBackend:
                        ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
         group = self.groups[role]
         refs = [a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(group.actors, tables, ctxs)]
+        self._while_waiting()
         _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if late:
             ranks = [refs.index(ref) for ref in late]
@@ -432,6 +444,8 @@ class RayWorkerCalls(DeferredCalls):
         self.groups = groups
         self._origin: dict[ray.ObjectRef, tuple[str, int]] = {}
         self._origin_lock = threading.Lock()  # the async modes' helper threads call too
+        self.while_waiting: Callable[[], None] = lambda: None
+        """Driver work done before blocking in :meth:`resolve` (set by :meth:`RayBackend.overlap`)."""
         super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
@@ -451,6 +465,7 @@ class RayWorkerCalls(DeferredCalls):
         """The values of ``call_async`` results (blocks until they are ready); a dead worker is a
         :class:`WorkerDied` naming it (role, rank, pid)."""
         futures = list(futures)
+        self.while_waiting()
         try:
             return ray.get(futures)
         except ray.exceptions.RayActorError as exc:

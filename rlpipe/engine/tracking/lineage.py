@@ -68,6 +68,23 @@ def fingerprint(table: pa.Table) -> str:
     return h.hexdigest()
 
 
+class LazyFingerprint:
+    """The fingerprint of a table, hashed the first time it is read (``str()``): the executor writes a node's
+    lineage record while the driver waits on the next node, and each table is still hashed once."""
+
+    __slots__ = ("_table", "_value")
+
+    def __init__(self, table: pa.Table):
+        self._table: pa.Table | None = table
+        self._value: str | None = None
+
+    def __str__(self) -> str:
+        if self._value is None:
+            self._value = fingerprint(self._table)
+            self._table = None  # the record keeps its tables alive only until they are hashed
+        return self._value
+
+
 _CACHE_SIZE = 256  # columns: a few steps' tables (nodes add a handful of columns each)
 _cache: OrderedDict[tuple, tuple[pa.ChunkedArray, bytes]] = OrderedDict()
 _cache_lock = threading.Lock()  # the async modes fingerprint from several threads
@@ -215,15 +232,17 @@ def policy_versions(table: pa.Table) -> list[int]:
 
 
 def execution_fields(table_in: pa.Table | None, table_out: pa.Table, start: float, duration: float,
-                     metrics: dict[str, float], input_fp: str | None = None) -> dict[str, Any]:
+                     metrics: dict[str, float], input_fp: str | LazyFingerprint | None = None,
+                     output_fp: LazyFingerprint | None = None) -> dict[str, Any]:
     """The NodeRecord fields of one node execution that come from its data (fingerprints, rows,
     versions) and its timing; whoever ran it adds run, step and node (the executor, or a rollout
-    replica's feeder whose records the driver forwards). ``input_fp`` saves re-hashing a known input."""
+    replica's feeder whose records the driver forwards). ``input_fp`` / ``output_fp`` save re-hashing
+    a table whose fingerprint is known or shared with the next record."""
     if input_fp is None:
         input_fp = fingerprint(table_in) if table_in is not None else ""
     return {
-        "input_fingerprint": input_fp,
-        "output_fingerprint": fingerprint(table_out),
+        "input_fingerprint": str(input_fp),
+        "output_fingerprint": str(output_fp) if output_fp is not None else fingerprint(table_out),
         "rows_in": table_in.num_rows if table_in is not None else 0,
         "rows_out": table_out.num_rows,
         "policy_versions": policy_versions(table_out),
