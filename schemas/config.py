@@ -246,6 +246,11 @@ class ResourcesConfig(Strict):
     """Node-local folder where workers keep the model directories shipped through the object store
     (shared_filesystem false); one copy per node and model, reused by every worker on it and by later runs.
     None: `<system temp dir>/rlpipe-cache` on each node."""
+    worker_call_timeout_s: float = Field(3600.0, gt=0)
+    """Longest the driver waits for a worker's answer outside a node's own call: the calls modes and the
+    runtime make (engine sleep and wake, checkpoint save and load, the final model's save, a deferred weight
+    push settling). Past it the run fails with one line naming the workers (role, rank, pid) that did not
+    answer and the method. The node calls themselves are bounded by each stage's `timeout_s`."""
 
     @model_validator(mode="after")
     def _gpus_need_cuda(self) -> "ResourcesConfig":

@@ -157,6 +157,10 @@ class WorkerDied(RlpipeError):
     """A worker actor died (killed, out of memory, crashed) while the run needed it."""
 
 
+class WorkerCallTimeout(RlpipeError):
+    """Workers did not answer a call of the driver within resources.worker_call_timeout_s."""
+
+
 PLACEMENT_SHARE = 0.001
 """How much of a node's placement resource (resources.placement) each worker asks for."""
 
@@ -256,12 +260,12 @@ class RayBackend:
     """How the executor runs stages on Ray: tasks, worker actors, and the driver-stage facade."""
 
     def __init__(self, groups: dict[str, WorkerGroup], shared_filesystem: bool = True,
-                 task_stages_in_workers: bool = True):
+                 task_stages_in_workers: bool = True, call_timeout_s: float | None = None):
         self.groups = groups
         self.shared_filesystem = shared_filesystem
         self.task_stages_in_workers = task_stages_in_workers
         """Task stages next to a single worker's stages run in that worker's call (resources.task_stages_in_workers)."""
-        self.workers = RayWorkerCalls(groups)
+        self.workers = RayWorkerCalls(groups, call_timeout_s)
 
     def overlap(self, work: Callable[[], None]) -> None:
         """Call ``work()`` each time the driver waits on a remote call (stage calls and the workers facade's
@@ -291,7 +295,8 @@ class RayBackend:
             for role in hosted[1:]:
                 groups[role] = groups[host].view(role, WORKER_ROLES.get(role).sharded)
         backend = cls(groups, shared_filesystem=shipped is None,
-                      task_stages_in_workers=config.resources.task_stages_in_workers)
+                      task_stages_in_workers=config.resources.task_stages_in_workers,
+                      call_timeout_s=config.resources.worker_call_timeout_s)
         try:
             for role, group in groups.items():
                 if group.host == role:
@@ -440,9 +445,11 @@ ORIGINS_KEPT = 4096
 class RayWorkerCalls(DeferredCalls):
     """The ``ctx.workers`` facade of driver stages, backed by the run's worker groups."""
 
-    def __init__(self, groups: dict[str, WorkerGroup]):
+    def __init__(self, groups: dict[str, WorkerGroup], timeout_s: float | None = None):
         self.groups = groups
-        self._origin: dict[ray.ObjectRef, tuple[str, int]] = {}
+        self.timeout_s = timeout_s
+        """Bound on every :meth:`resolve` (resources.worker_call_timeout_s); None: wait forever."""
+        self._origin: dict[ray.ObjectRef, tuple[str, int, str]] = {}
         self._origin_lock = threading.Lock()  # the async modes' helper threads call too
         self.while_waiting: Callable[[], None] = lambda: None
         """Driver work done before blocking in :meth:`resolve` (set by :meth:`RayBackend.overlap`)."""
@@ -456,7 +463,7 @@ class RayWorkerCalls(DeferredCalls):
         refs = self.groups[role].call_async(method, *args, rank=rank, **kwargs)
         with self._origin_lock:
             for r, ref in zip(range(self.groups[role].size) if rank is None else [rank], refs):
-                self._origin[ref] = (role, r)
+                self._origin[ref] = (role, r, method)
             while len(self._origin) > ORIGINS_KEPT:
                 del self._origin[next(iter(self._origin))]
         return refs
@@ -467,7 +474,16 @@ class RayWorkerCalls(DeferredCalls):
         futures = list(futures)
         self.while_waiting()
         try:
-            return ray.get(futures)
+            return ray.get(futures, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            _, late = ray.wait(futures, num_returns=len(futures), timeout=0)
+            with self._origin_lock:
+                origins = [self._origin.get(ref) for ref in late]
+            who = ", ".join(f"{self.groups[o[0]].name(o[1])}.{o[2]}" if o else "a worker" for o in origins)
+            raise WorkerCallTimeout(
+                f"no answer after resources.worker_call_timeout_s={self.timeout_s:g} s from {who}; if that call is only "
+                "slow, raise it (-o resources.worker_call_timeout_s=SECONDS), otherwise look for what hangs in that "
+                "worker (its log is in Ray's session folder, /tmp/ray/session_latest/logs, by pid)") from None
         except ray.exceptions.RayActorError as exc:
             dead = next((ref for ref in futures if _died(ref)), None)
             with self._origin_lock:

@@ -55,7 +55,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Fields that may differ between the run that wrote a checkpoint and the run that resumes it:
 # where things go and how they are observed, not what is computed.
 _NOT_COMPUTED = {"trainer": ("output_dir", "checkpoint_every", "save_every", "keep_checkpoints", "torch_threads"),
-                 "resources": ("ray_address", "num_cpus", "shared_filesystem", "node_cache_dir"), "tracking": None}
+                 "resources": ("ray_address", "num_cpus", "shared_filesystem", "node_cache_dir", "worker_call_timeout_s"),
+                 "tracking": None}
 # What makes a pipeline the same pipeline: its checkpoint belongs to no other.
 _IDENTITY = ("name", "model", "tokenizer", "mode")
 
