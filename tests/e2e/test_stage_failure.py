@@ -13,7 +13,7 @@ from rlpipe.errors import StageError
 from rlpipe.stage import stage
 from rlpipe.stages.weight_sync import WeightSyncParams, push_weights
 
-from conftest import quickstart_raw
+from conftest import Recorder, quickstart_raw
 
 pytestmark = pytest.mark.e2e
 
@@ -24,6 +24,27 @@ def breaks_at_step_1(batch, params, ctx):
     if ctx.step == 1:
         raise ConnectionError("transport to the rollout engine lost")
     return push_weights(batch, params, ctx)
+
+
+@stage("weight_sync", "interrupted_at_step_1", placement="driver", params=WeightSyncParams, reads={}, writes={})
+def interrupted_at_step_1(batch, params, ctx):
+    if ctx.step == 1:
+        raise KeyboardInterrupt  # Ctrl-C while the driver runs this node: not a stage failure, the run stops
+    return push_weights(batch, params, ctx)
+
+
+def test_an_interrupt_mid_step_keeps_the_records_of_the_nodes_that_ran(ray_session, tmp_path):
+    """On Ray a node's record is written while the driver waits on the next call; a step that ends otherwise than
+    by a stage failure (here an interrupt before the weight push waited on anything) still writes them."""
+    raw = quickstart_raw(data={"prompts_per_step": 4}, tracking={"enabled": False},
+                         trainer={"total_steps": 3, "output_dir": str(tmp_path)})
+    raw["stages"] = [{**s, "impl": "interrupted_at_step_1"} if s["kind"] == "weight_sync" else s
+                     for s in raw["stages"]]
+    observer = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(validate_config(raw), "", observer=observer)
+    assert [(r.step, r.node) for r in observer.records if r.step == 1] == [
+        (1, node) for node in ("generate", "reward", "balance", "old_log_prob", "advantage", "update")]
 
 
 def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_path):

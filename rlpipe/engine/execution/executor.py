@@ -123,14 +123,22 @@ class StepExecutor:
         fp = LazyFingerprint(table)
         todo = list(nodes if nodes is not None else self.plan.nodes)
         i = 0
-        while i < len(todo):
-            group, role = self._fusable(todo, i)
-            if len(group) > 1:
-                table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {}, role)
-            else:
-                table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
-            metrics.update(node_metrics)
-            i += len(group)
+        try:
+            while i < len(todo):
+                group, role = self._fusable(todo, i)
+                if len(group) > 1:
+                    table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {}, role)
+                else:
+                    table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
+                metrics.update(node_metrics)
+                i += len(group)
+        except BaseException:
+            # whatever ended the step (a mode hook, an interrupt), the nodes that ran keep their records; the
+            # error that ended it is the one raised
+            self._write_backlog_while_waiting()
+            self._backlog.records.clear()
+            self._backlog.error = None
+            raise
         self.write_backlog()
         return table, metrics
 
