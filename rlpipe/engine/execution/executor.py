@@ -195,7 +195,7 @@ class StepExecutor:
                             carry=dict(self.carry.get(node.name, {})))
 
     def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint,
-                 extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], str]:
+                 extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         ctx = self._context(step, node, extras)
         for hook in self.before_node:
             hook(node, step)
@@ -264,7 +264,7 @@ class StepExecutor:
             ))
         else:
             error = _stage_error(node, step, exc)
-        self.write_backlog()
+        self._write_backlog_while_waiting()  # the records before it first; the stage's error is the one raised
         self._record_failure(step, node, table, input_fp, start, error)
         if error is exc:
             raise exc
