@@ -286,9 +286,8 @@ class StepExecutor:
         out_fp = LazyFingerprint(out)
         # what the record says is fixed now (the version it ran under, where); hashing and handing it over may wait
         trainer_version, worker = self.policy_version, where if where is not None else self.where(node)
-        self._backlog.records.append(lambda: self.record_external(
-            step, node, worker=worker, trainer_version=trainer_version,
-            **execution_fields(table, out, start, duration, result.metrics, input_fp, out_fp)))
+        self._backlog.records.append(lambda: self.record(step, node, table, out, start, duration, result.metrics,
+                                                         input_fp, worker, out_fp, trainer_version))
         if not self._records_overlap:
             self.write_backlog()
         for hook in self.after_node:
@@ -296,13 +295,16 @@ class StepExecutor:
         return out, metrics, out_fp
 
     def record(self, step: int, node: PlannedNode, table_in: pa.Table | None, table_out: pa.Table, start: float,
-               duration: float, metrics: dict[str, float], input_fp: str | None = None, where: str | None = None) -> str:
+               duration: float, metrics: dict[str, float], input_fp: str | LazyFingerprint | None = None,
+               where: str | None = None, output_fp: LazyFingerprint | None = None,
+               trainer_version: int | None = None) -> str:
         """Hand a lineage record of one node execution to the observer; returns the output fingerprint.
-        ``where``: where it ran, when not where its placement says (a task node fused into a worker's call).
+        ``where``: where it ran, when not where its placement says (a task node fused into a worker's call);
+        ``trainer_version``: the trainer's version when it ran (default: now).
 
         Modes call this directly for work done outside ``run`` (e.g. continuous generation)."""
-        fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp)
-        self.record_external(step, node, worker=where, **fields)
+        fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp, output_fp)
+        self.record_external(step, node, worker=where, trainer_version=trainer_version, **fields)
         return fields["output_fingerprint"]
 
     def _record_input(self, step: int, node: PlannedNode, table: pa.Table, ctx: StageContext) -> None:
@@ -344,7 +346,8 @@ class StepExecutor:
             params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
             input_fingerprint=input_fingerprint, output_fingerprint=output_fingerprint,
             rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
-            trainer_version=self.policy_version if trainer_version is None else trainer_version, start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
+            trainer_version=self.policy_version if trainer_version is None else trainer_version,
+            start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
             worker=worker if worker is not None else self.where(node), error=error,
         ))
 

@@ -270,10 +270,7 @@ class RayBackend:
     def overlap(self, work: Callable[[], None]) -> None:
         """Call ``work()`` each time the driver waits on a remote call (stage calls and the workers facade's
         ``resolve``): the executor's lineage records of the nodes before are written while this one runs."""
-        self._while_waiting = self.workers.while_waiting = work
-
-    def _while_waiting(self) -> None:
-        """Driver work to do while a remote call runs (see :meth:`overlap`); none by default."""
+        self.workers.while_waiting = work
 
     @classmethod
     def start(cls, config, roles: set[str], shipped: ShippedDirs | None = None) -> "RayBackend":
@@ -352,7 +349,7 @@ class RayBackend:
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
                  timeout_s: float | None = None) -> StageResult:
         ref = run_task_stage.remote(kind, impl, params, ray.put(contiguous(table)), ctx)
-        self._while_waiting()
+        self.workers.while_waiting()
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -363,7 +360,7 @@ class RayBackend:
                        timeout_s: float | None = None) -> list[ChainStep]:
         """``stages`` as one task (see :func:`run_task_chain`); :class:`StageTimeout` after ``timeout_s``."""
         ref = run_task_chain.remote(stages, ray.put(contiguous(table)), ctxs)
-        self._while_waiting()
+        self.workers.while_waiting()
         try:
             return ray.get(ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -382,7 +379,7 @@ class RayBackend:
             raise ValueError(f"a chain runs on a role with one worker; {role} has {group.size}")
         names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
         ref = group.actors[0].run_chain.remote(stages, contiguous(table), ctxs)
-        self._while_waiting()
+        self.workers.while_waiting()
         ready, _ = ray.wait([ref], timeout=timeout_s)
         if not ready:
             group.kill(0)
@@ -402,7 +399,7 @@ class RayBackend:
                        ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
         group = self.groups[role]
         refs = [a.run_stage.remote(kind, impl, params, contiguous(t), c) for a, t, c in zip(group.actors, tables, ctxs)]
-        self._while_waiting()
+        self.workers.while_waiting()
         _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if late:
             ranks = [refs.index(ref) for ref in late]
