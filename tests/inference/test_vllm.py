@@ -146,32 +146,32 @@ def scheduled_on_server(engine, n, ours, timeout=60.0):
 
 
 def test_abort_then_resume_across_a_push_carries_both_versions(engine):
-    # The abort must land mid-response for every request. On a loaded 2-core CI box the server once took two
-    # of the four requests seconds after the other two (those ran all 1500 tokens, the late ones had none):
-    # so the probe's count is read only once the server runs all of them, and a try in which a request ended
-    # before the abort proves nothing and is repeated with fresh requests, at most three times.
-    for attempt in range(3):
+    # The abort must land mid-response for every request. A request of ~2000 tokens decodes for ~11 s on an idle
+    # box, yet twice on a loaded 2-core CI box every one ended first: the server's API process (which serves the
+    # metrics, the streams and the abort) starves while its engine core decodes on. So the abort goes out as soon
+    # as the server runs all four requests (no wait for tokens), and a try in which a request ended before it
+    # proves nothing and is repeated with fresh requests, at most four times.
+    longest = ARCH.max_position_embeddings - max(len(TOK.encode(p)) for p in PROMPTS) - 8
+    for attempt in range(4):
         v = engine.version
-        reqs = requests(n=4, max_tokens=1500, ignore_eos=True, prefix=f"long{attempt}-")
+        reqs = requests(n=4, max_tokens=longest, ignore_eos=True, prefix=f"long{attempt}-")
         engine.submit(reqs)
-        probe = StreamingProbe(engine.server.url, reqs[0].prompt_ids, 1500)
-        if scheduled_on_server(engine, len(reqs) + 1, len(reqs)):
-            probe.wait_for(probe.tokens + 100)  # abort after about 100 more of each request's 1500 tokens
+        scheduled_on_server(engine, len(reqs), len(reqs))
         partials = engine.abort_all()
-        probe.close()
         assert engine.num_running() == 0 and not engine.has_active()
         assert sorted(p.request_id for p in partials) == sorted(r.request_id for r in reqs)
-        if all(p.finish_reason == "abort" and len(p.response_ids) < 1500 for p in partials):
+        if all(p.finish_reason == "abort" and len(p.response_ids) < longest for p in partials) and any(
+                len(p.response_ids) > 0 for p in partials):
             break
-    assert all(p.finish_reason == "abort" and len(p.response_ids) < 1500 for p in partials), \
-        f"in three tries a request ended before the abort: {[(p.finish_reason, len(p.response_ids)) for p in partials]}"
+    assert all(p.finish_reason == "abort" and len(p.response_ids) < longest for p in partials), \
+        f"in four tries a request ended before the abort: {[(p.finish_reason, len(p.response_ids)) for p in partials]}"
     assert any(len(p.response_ids) > 0 for p in partials), "no request had sampled a token before the abort"
     push(engine, seed=2)
     by_id = {p.request_id: p for p in partials}
     resumed = [by_id[r.request_id].resume(r) for r in reqs]
     for req, partial, res in zip(reqs, (by_id[r.request_id] for r in reqs), engine.generate(resumed)):
         k = len(partial.response_ids)
-        assert res.finish_reason == "length" and len(res.response_ids) == 1500
+        assert res.finish_reason == "length" and len(res.response_ids) == longest
         np.testing.assert_array_equal(res.response_ids[:k], partial.response_ids)
         np.testing.assert_array_equal(res.logprobs[:k], partial.logprobs)
         assert (res.versions[:k] == v).all() and (res.versions[k:] == v + 1).all()
