@@ -162,6 +162,11 @@ class StageSpec:
     ConfigError naming the field and the fix (e.g. a group estimator needs generate n ≥ 2)."""
     unreachable: Unreachable | None = None
     """Worker stages: per-call deadline and failed result for callers that do not wait (None: none)."""
+    calls: tuple[str, ...] = ()
+    """Driver stages: the worker roles they call through ``ctx.workers``. Declared, the stage may run inside the
+    call of the single worker before it in the plan (resources.task_stages_in_workers), which reaches the roles
+    it hosts in memory and the others through their actors: one driver round trip less (a weight push is then
+    the trainer's last act of its chain). Empty: always on the driver."""
 
     def read_columns(self, params: BaseModel) -> dict[str, pa.DataType]:
         return dict(self.reads(params) if callable(self.reads) else self.reads)
@@ -202,6 +207,7 @@ def stage(
     creates_rows: bool = False,
     check: Callable[[BaseModel, Any, Any], None] | None = None,
     unreachable: Unreachable | None = None,
+    calls: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., StageResult]], Callable[..., StageResult]]:
     """Register a stage implementation.
 
@@ -211,9 +217,12 @@ def stage(
     """
     if placement == "worker" and not role:
         raise ValueError(f"worker stage {kind}/{impl} needs a role")
+    if calls and placement != "driver":
+        raise ValueError(f"stage {kind}/{impl}: only driver stages declare the roles they call")
 
     def decorate(fn: Callable[..., StageResult]) -> Callable[..., StageResult]:
-        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows, check, unreachable)
+        spec = StageSpec(kind, impl, fn, params, reads, writes, placement, role, creates_rows, check, unreachable,
+                         tuple(calls))
         stage_registry(kind).add(impl, spec)
         return fn
 

@@ -239,9 +239,11 @@ class ResourcesConfig(Strict):
     """Run task stages (reward, balance, advantage ...) inside the call of the worker next to them in the plan,
     when that worker's role has a single worker (e.g. generate, reward, balance as one call of the rollout replica;
     old_log_prob, advantage, update as one call of the trainer): one Ray round trip instead of one per node and no
-    Ray task. false: every task stage runs as a Ray task (consecutive ones as one task), on any node with a free
-    CPU: for task stages heavy enough to need a CPU or memory of their own. Lineage records where each node ran
-    (`task in actor×1@...`)."""
+    Ray task. A driver stage that declares the roles it calls (weight_sync) then runs at the end of that call too:
+    the trainer exports, bumps its version and calls the rollout replicas itself. false: every task stage runs as
+    a Ray task (consecutive ones as one task), on any node with a free CPU, and driver stages on the driver: for
+    task stages heavy enough to need a CPU or memory of their own. Lineage records where each node ran
+    (`task in actor×1@...`, `driver in actor×1@...`)."""
     node_cache_dir: str | None = None
     """Node-local folder where workers keep the model directories shipped through the object store
     (shared_filesystem false); one copy per node and model, reused by every worker on it and by later runs.

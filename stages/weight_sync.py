@@ -13,6 +13,11 @@ prefix/KV cache reset at the version change; (5) resume — the aborted requests
 continue on the new weights (partial rollout; async modes). Every push bumps the
 policy version by one.
 
+Where it runs: on the driver, or, with one trainer worker (resources.task_stages_in_workers), as
+the last act of the trainer's chain call after the update (``calls=PUSH_ROLES``): the export and
+the version bump in the trainer's memory, the replicas called from there; one driver round trip
+per step less. Colocated with the engine, the whole push stays in that process.
+
 Metrics per push: ``weight_sync/{export_s,transport_s,load_s,cache_reset_s,resume_s}``
 (slowest replica), ``bytes``, ``buckets``, ``mb_per_s`` (bytes over the whole push as
 the trainer waits for it), ``version``, ``aborted_requests``.
@@ -78,6 +83,10 @@ def _boundary(name: str, fn):
         raise RlpipeError(f"weight sync failed at boundary {name}: {exc}") from exc
 
 
+PUSH_ROLES = ("actor", "rollout")
+"""The roles a push calls: with one trainer worker it runs as the last act of the trainer's chain call (export and
+version bump in its memory, the replicas called from there): one driver round trip per step less."""
+
 _REPLICA_BOUNDARIES = ("transport_s", "load_s", "cache_reset_s", "resume_s")
 
 
@@ -126,12 +135,14 @@ def _push_result(stats: list[dict], version: float, t0: float, replica_kwargs: d
     return StageResult(metrics=metrics)
 
 
-@stage("weight_sync", "object_store", placement="driver", params=WeightSyncParams, reads={}, writes={})
+@stage("weight_sync", "object_store", placement="driver", params=WeightSyncParams, reads={}, writes={},
+       calls=PUSH_ROLES)
 def push_weights(batch, params: WeightSyncParams, ctx) -> StageResult:
     return _push(ctx, "export_for_push")
 
 
-@stage("weight_sync", "delta", placement="driver", params=DeltaSyncParams, reads={}, writes={})
+@stage("weight_sync", "delta", placement="driver", params=DeltaSyncParams, reads={}, writes={},
+       calls=PUSH_ROLES)
 def push_weight_deltas(batch, params: DeltaSyncParams, ctx) -> StageResult:
     """Like object_store, but a bucket travels as its changed words when that is smaller (and whole at every
     flush); replicas verify the rebuilt bucket's checksum before loading. ``weight_sync/bytes`` is what was sent,
@@ -139,7 +150,8 @@ def push_weight_deltas(batch, params: DeltaSyncParams, ctx) -> StageResult:
     return _push(ctx, "export_delta_push", params.full_every, full_every=params.full_every)
 
 
-@stage("weight_sync", "broadcast", placement="driver", params=BroadcastSyncParams, reads={}, writes={})
+@stage("weight_sync", "broadcast", placement="driver", params=BroadcastSyncParams, reads={}, writes={},
+       calls=PUSH_ROLES)
 def broadcast_weights(batch, params: BroadcastSyncParams, ctx) -> StageResult:
     """Rank 0 packs the buckets and the replicas get their metadata through Ray; the bytes travel by one collective
     broadcast per bucket over the weight group (formed at the first push). Needs the Ray executor (trainer and

@@ -129,8 +129,10 @@ class ChainedStage:
     timeout_s: float | None = None
     """The node's own deadline, enforced inside the chain (the caller's wait only bounds the whole)."""
     role: str | None = None
-    """The worker role of a worker stage (None: a task stage). Past its deadline the worker running the chain is
-    killed, as the thread abandoned in it still holds that role's state."""
+    """The worker role of a worker stage, the hosting worker's role for a driver stage (None: a task stage). Past its
+    deadline the worker running the chain is killed, as the thread abandoned in it still holds that role's state."""
+    driver: bool = False
+    """A driver stage (StageSpec.calls): it runs with ``ctx.workers`` set to the chain's worker facade."""
 
 
 @dataclasses.dataclass
@@ -141,25 +143,36 @@ class ChainStep:
     error: BaseException | None
     start: float
     duration_s: float
+    deferred: list[tuple[list[Any], str, list[Any]]] = dataclasses.field(default_factory=list)
+    """A driver stage's deferred worker calls (``ctx.workers.defer``) and who answers each: the driver settles them,
+    as if deferred there."""
 
 
 def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str,
-              states: dict[str, Any] | None = None) -> list[ChainStep]:
+              states: dict[str, Any] | None = None, workers: Any = None) -> list[ChainStep]:
     """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
 
     Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
     ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline.
-    ``states``: per role, the worker state its stages run against (a chain fused into a worker's call)."""
+    ``states``: per role, the worker state its stages run against (a chain fused into a worker's call);
+    ``workers``: the ``ctx.workers`` of driver stages in the chain, with ``take_deferred()`` handing over what a
+    stage deferred."""
     steps: list[ChainStep] = []
     for stage, ctx in zip(stages, ctxs):
         start = time.time()
+        if stage.driver:
+            ctx = dataclasses.replace(ctx, workers=workers)
         try:
-            state = (states or {}).get(stage.role) if stage.role else None
+            state = (states or {}).get(stage.role) if stage.role and not stage.driver else None
             result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state),
                                         stage.timeout_s, where)
             batch = apply_result(stage, batch, result)
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
-            steps.append(ChainStep(None, exc, start, time.time() - start))
+            steps.append(ChainStep(None, exc, start, time.time() - start, _deferred(stage, workers)))
             break
-        steps.append(ChainStep(result, None, start, time.time() - start))
+        steps.append(ChainStep(result, None, start, time.time() - start, _deferred(stage, workers)))
     return steps
+
+
+def _deferred(stage: ChainedStage, workers: Any) -> list[tuple[list[Any], str, list[Any]]]:
+    return workers.take_deferred() if stage.driver and workers is not None else []

@@ -35,6 +35,9 @@ def run(tmp_path, impl: str, params: dict, inline: bool = True, replicas: int = 
     raw["stages"].append({"kind": "weight_sync", "impl": impl, "params": params})
     recorder = Recorder()
     result = run_pipeline(validate_config(raw), yaml.safe_dump(raw), inline=inline, observer=recorder)
+    if not inline:  # one trainer worker: the push ran as the last act of its chain call, calling the replicas
+        where = {r.worker for r in recorder.records if r.node == "weight_sync"}
+        assert len(where) == 1 and where.pop().startswith("driver in actor×1@"), where
     return load_file(f"{result.model_dir}/model.safetensors"), recorder.metrics
 
 

@@ -122,3 +122,23 @@ def test_a_worker_stage_past_its_timeout_kills_the_worker_and_names_it(ray_sessi
     err = caught.value
     assert (err.kind, err.impl, err.step) == ("old_log_prob", "trainer", 0)
     assert "no result after timeout_s=0.001 s on worker actor[0] (pid " in str(err) and "(killed)" in str(err)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("in_workers, where", [
+    (False, "the driver (a driver stage waiting on its workers)"),
+    # the push ran as the last act of the trainer's call: its abandoned thread would hold the trainer's state
+    (True, "worker actor[0] (pid "),
+])
+def test_a_weight_push_past_its_timeout_names_where_it_ran(ray_session, tmp_path, in_workers, where):
+    raw = _raw(tmp_path, steps=1)
+    raw["resources"] = {"task_stages_in_workers": in_workers}
+    for stage in raw["stages"]:
+        if stage["kind"] == "weight_sync":
+            stage["timeout_s"] = 0.001  # export, bump and the replica's load cannot answer within 1 ms
+    with pytest.raises(StageError) as caught:
+        run_pipeline(validate_config(raw), "", observer=Recorder())
+    err = caught.value
+    assert (err.kind, err.impl, err.step) == ("weight_sync", "object_store", 0)
+    assert f"node 'weight_sync' timed out: no result after timeout_s=0.001 s on {where}" in str(err), str(err)
+    assert ("(killed)" in str(err)) == in_workers

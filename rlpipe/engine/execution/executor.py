@@ -167,18 +167,22 @@ class StepExecutor:
 
         A worker chain: task nodes and the nodes of the roles one worker hosts (one role, or the roles
         colocated with it), when it is the only worker of its roles (with more, rows are split by
-        ``dp_rank``, which the task nodes before them may still be writing). Otherwise the run of task
-        nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
+        ``dp_rank``, which the task nodes before them may still be writing), and after them the driver
+        nodes that declare the roles they call (a weight push as the trainer's last act). Otherwise the
+        run of task nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
         if getattr(self.backend, "task_stages_in_workers", False):
             role = host = None
             j = i
-            while j < len(nodes) and nodes[j].spec.placement in ("task", "worker"):
+            while j < len(nodes) and nodes[j].spec.placement in ("task", "worker", "driver"):
                 spec = nodes[j].spec
                 if spec.placement == "worker":
                     if host is None and self.backend.group_size(spec.role) == 1:
                         role, host = spec.role, self.backend.host(spec.role)
                     elif host is None or self.backend.host(spec.role) != host:
                         break
+                elif spec.placement == "driver" and (host is None or not spec.calls):
+                    break  # a driver stage joins a worker's call only after that worker's nodes, and when it says
+                    # which roles it calls (the worker reaches them from there)
                 j += 1
             if role is not None and j - i > 1:
                 return nodes[i:j], role
@@ -220,7 +224,9 @@ class StepExecutor:
             for hook in self.before_node:
                 hook(node, step)
         stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s,
-                               n.spec.role if n.spec.placement == "worker" else None) for n in group]
+                               role if n.spec.placement == "driver" else
+                               n.spec.role if n.spec.placement == "worker" else None, n.spec.placement == "driver")
+                  for n in group]
         timeouts = [n.timeout_s for n in group]
         bound = None if None in timeouts else sum(timeouts)
         start = time.time()
@@ -233,11 +239,13 @@ class StepExecutor:
             self._fail(step, group[0], table, input_fp, start, exc)
         metrics: dict[str, float] = {}
         fp = input_fp
-        # a task node that ran in a worker's call says so in its lineage
-        in_worker = f"task in {self.where(next(n for n in group if n.spec.placement == 'worker'))}" if role else None
+        # a task or driver node that ran in a worker's call says so in its lineage
+        host = self.where(next(n for n in group if n.spec.placement == "worker")) if role else None
         for node, ctx, done in zip(group, ctxs, steps):
             self._record_input(step, node, table, ctx)
             spec = node.spec
+            for futures, failure, origins in done.deferred:  # a driver stage's deferred calls: settled from here
+                self.backend.workers.defer(futures, failure, origins)
             try:
                 if done.error is not None:
                     raise done.error
@@ -250,7 +258,8 @@ class StepExecutor:
             except Exception as exc:
                 self._fail(step, node, table, fp, done.start, exc)
             table, node_metrics, fp = self._finish(step, node, table, out, result, done.start, done.duration_s, fp,
-                                                   in_worker if spec.placement == "task" else None)
+                                                   f"{spec.placement} in {host}" if host and spec.placement != "worker"
+                                                   else None)
             metrics.update(node_metrics)
         return table, metrics, fp
 

@@ -9,6 +9,7 @@ it. Stateless stages run as Ray tasks. Arrow tables travel as Ray objects
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import socket
@@ -119,10 +120,17 @@ class WorkerActor:
         role = stage_registry(kind).get(impl).role
         return run_stage(kind, impl, params, batch, ctx, self.states.get(role, self.state))
 
+    def meet_peers(self, peers: Peers) -> None:
+        """Every role's workers (once, after start), for the driver stages run in this worker's chain calls."""
+        self.peers = peers
+
     def run_chain(self, stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
-        """This worker's stages and the task stages next to them in one call (see :meth:`RayBackend.run_worker_chain`)."""
+        """This worker's stages and the task and driver stages next to them in one call (see
+        :meth:`RayBackend.run_worker_chain`)."""
+        peers = getattr(self, "peers", None)
+        workers = PeerCalls(self.states, peers) if peers is not None and any(s.driver for s in stages) else None
         return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
-                         "thread in it is abandoned)", self.states)
+                         "thread in it is abandoned)", self.states, workers)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A method of this worker's (first) role's state; what another worker calls through a handle."""
@@ -136,6 +144,92 @@ class WorkerActor:
         for state in self.states.values():
             if callable(close := getattr(state, "close", None)):
                 close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """What a worker needs to run a driver stage in its own call: every role's workers."""
+
+    roles: dict[str, tuple[str, list[Any], list[str]]]
+    """Per role: the role whose workers host it (resources.colocate), its actors and how messages name them, by
+    rank."""
+    timeout_s: float | None
+    """Bound on every wait for another worker's answer (resources.worker_call_timeout_s)."""
+
+
+class PeerCalls(DeferredCalls):
+    """``ctx.workers`` of a driver stage running inside a worker's chain call: the roles this worker hosts are
+    called in its memory (their results are values), the others through their actors (results are references,
+    resolved here; a deferred one goes back to the driver, which settles it)."""
+
+    def __init__(self, states: dict[str, Any], peers: Peers):
+        self.states = states
+        self.peers = peers
+        self._origin: dict[ray.ObjectRef, tuple[str, int, str]] = {}
+        """Who answers each pending reference (role, rank, method): named when it dies."""
+        super().__init__()
+
+    def _local(self, role: str) -> bool:
+        return role in self.states
+
+    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
+
+    def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
+        if self._local(role):  # this worker's only rank of the role (a chain runs on a role with one worker)
+            return [getattr(self.states[role], method)(*args, **kwargs)]
+        actors = self.peers.roles[role][1]
+        ranks = range(len(actors)) if rank is None else [rank]
+        if len(ranks) > 1:  # one copy in the object store for all of them (a weight push's buckets), not one each
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
+        refs = [actors[r].call_role.remote(role, method, *args, **kwargs) for r in ranks]
+        self._origin.update((ref, (role, r, method)) for ref, r in zip(refs, ranks))
+        return refs
+
+    def resolve(self, futures: list[Any]) -> list[Any]:
+        """The values of ``call_async`` results; another worker's that does not answer within the bound is an
+        error naming the setting (the driver names the node that ran this)."""
+        refs = [f for f in futures if isinstance(f, ray.ObjectRef)]
+        try:
+            values = iter(ray.get(refs, timeout=self.peers.timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            _, late = ray.wait(refs, num_returns=len(refs), timeout=0)
+            raise WorkerCallTimeout(f"no answer after resources.worker_call_timeout_s={self.peers.timeout_s:g} s "
+                                    f"from {', '.join(self._name(ref) for ref in late)}; if that call is only slow, "
+                                    "raise it (-o resources.worker_call_timeout_s=SECONDS)") from None
+        except ray.exceptions.RayActorError as exc:
+            dead = next((ref for ref in refs if _died(ref)), None)
+            who = f"worker {self._name(dead)}" if dead is not None else "a worker"
+            raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
+                             "/tmp/ray/session_latest/logs, by pid)") from None
+        finally:
+            for ref in refs:
+                self._origin.pop(ref, None)
+        return [next(values) if isinstance(f, ray.ObjectRef) else f for f in futures]
+
+    def _name(self, ref: ray.ObjectRef) -> str:
+        role, rank, method = self._origin.get(ref, ("?", 0, "?"))
+        return f"{self.peers.roles[role][2][rank]}.{method}" if role in self.peers.roles else "a worker"
+
+    def take_deferred(self) -> list[tuple[list[Any], str, list[tuple[str, int, str] | None]]]:
+        """The calls deferred so far, for the driver to settle, with who answers each (values computed here
+        travel as objects)."""
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, []
+        return [([f if isinstance(f, ray.ObjectRef) else ray.put(f) for f in futures], failure,
+                 [self._origin.pop(f, None) if isinstance(f, ray.ObjectRef) else None for f in futures])
+                for futures, failure in deferred]
+
+    def has_role(self, role: str) -> bool:
+        return role in self.peers.roles
+
+    def colocated(self, role: str, other: str) -> bool:
+        """Whether the workers of ``role`` also host ``other`` (as :meth:`RayWorkerCalls.colocated`)."""
+        roles = self.peers.roles
+        return role in roles and other in roles and roles[role][0] == roles[other][0]
+
+    def handle(self, role: str, rank: int = 0) -> Any:
+        return self.peers.roles[role][1][rank]
 
 
 def free_address() -> str:
@@ -295,9 +389,14 @@ class RayBackend:
                       task_stages_in_workers=config.resources.task_stages_in_workers,
                       call_timeout_s=config.resources.worker_call_timeout_s)
         try:
-            for role, group in groups.items():
-                if group.host == role:
-                    group.ready()
+            hosts = [group for role, group in groups.items() if group.host == role]
+            for group in hosts:
+                group.ready()
+            # a driver stage fused into a worker's chain (StageSpec.calls) calls the other roles from there: each
+            # worker knows them all once, instead of actor handles travelling with every chain call
+            peers = Peers({r: (g.host, g.actors, [g.name(rank) for rank in range(g.size)]) for r, g in groups.items()},
+                          config.resources.worker_call_timeout_s)
+            ray.get([a.meet_peers.remote(peers) for group in hosts for a in group.actors])
         except Exception:
             backend.shutdown()
             raise
@@ -492,6 +591,15 @@ class RayWorkerCalls(DeferredCalls):
             with self._origin_lock:
                 for ref in futures:
                     self._origin.pop(ref, None)
+
+    def defer(self, futures: list[Any], failure: str, origins: list[tuple[str, int, str] | None] | None = None) -> None:
+        """As :meth:`DeferredCalls.defer`; ``origins``: who answers each future (role, rank, method), when another
+        worker made the call (a driver stage in its chain), so that a dead one is named."""
+        with self._origin_lock:
+            for ref, origin in zip(futures, origins or []):
+                if origin is not None:
+                    self._origin[ref] = origin
+        super().defer(futures, failure)
 
     def has_role(self, role: str) -> bool:
         return role in self.groups
