@@ -99,6 +99,8 @@ class WorkerActor:
         self.states = {role: WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address) for role in roles}
         """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous)."""
         self.state = self.states[roles[0]]
+        self.peers: Peers | None = None
+        """Every role's workers (:meth:`meet_peers`), for driver stages run in this worker's chain calls."""
         if len(self.states) > 1:  # colocated states may work with each other in memory
             for state in self.states.values():
                 if callable(meet := getattr(state, "colocated_with", None)):
@@ -127,8 +129,8 @@ class WorkerActor:
     def run_chain(self, stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
         """This worker's stages and the task and driver stages next to them in one call (see
         :meth:`RayBackend.run_worker_chain`)."""
-        peers = getattr(self, "peers", None)
-        workers = PeerCalls(self.states, peers) if peers is not None and any(s.driver for s in stages) else None
+        fused = self.peers is not None and any(s.driver for s in stages)
+        workers = PeerCalls(self.states, self.peers) if fused else None
         return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
                          "thread in it is abandoned)", self.states, workers)
 
