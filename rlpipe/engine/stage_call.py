@@ -163,7 +163,7 @@ def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: st
         if stage.driver:
             ctx = dataclasses.replace(ctx, workers=workers)
         try:
-            state = (states or {}).get(stage.role) if stage.role and not stage.driver else None
+            state = (states or {}).get(stage.role) if stage.role else None
             result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state),
                                         stage.timeout_s, where)
             batch = apply_result(stage, batch, result)

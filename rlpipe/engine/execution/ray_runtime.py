@@ -189,29 +189,19 @@ class PeerCalls(DeferredCalls):
         return refs
 
     def resolve(self, futures: list[Any]) -> list[Any]:
-        """The values of ``call_async`` results; another worker's that does not answer within the bound is an
-        error naming the setting (the driver names the node that ran this)."""
+        """The values of ``call_async`` results; another worker that does not answer within the bound, or died, is
+        named as the driver's facade names it (:func:`get_naming_workers`)."""
         refs = [f for f in futures if isinstance(f, ray.ObjectRef)]
         try:
-            values = iter(ray.get(refs, timeout=self.peers.timeout_s))
-        except ray.exceptions.GetTimeoutError:
-            _, late = ray.wait(refs, num_returns=len(refs), timeout=0)
-            raise WorkerCallTimeout(f"no answer after resources.worker_call_timeout_s={self.peers.timeout_s:g} s "
-                                    f"from {', '.join(self._name(ref) for ref in late)}; if that call is only slow, "
-                                    "raise it (-o resources.worker_call_timeout_s=SECONDS)") from None
-        except ray.exceptions.RayActorError as exc:
-            dead = next((ref for ref in refs if _died(ref)), None)
-            who = f"worker {self._name(dead)}" if dead is not None else "a worker"
-            raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
-                             "/tmp/ray/session_latest/logs, by pid)") from None
+            values = iter(get_naming_workers(refs, self.peers.timeout_s, self._name))
         finally:
             for ref in refs:
                 self._origin.pop(ref, None)
         return [next(values) if isinstance(f, ray.ObjectRef) else f for f in futures]
 
-    def _name(self, ref: ray.ObjectRef) -> str:
-        role, rank, method = self._origin.get(ref, ("?", 0, "?"))
-        return f"{self.peers.roles[role][2][rank]}.{method}" if role in self.peers.roles else "a worker"
+    def _name(self, ref: ray.ObjectRef) -> tuple[str, str] | None:
+        origin = self._origin.get(ref)
+        return (self.peers.roles[origin[0]][2][origin[1]], origin[2]) if origin else None
 
     def take_deferred(self) -> list[tuple[list[Any], str, list[tuple[str, int, str] | None]]]:
         """The calls deferred so far, for the driver to settle, with who answers each (values computed here
@@ -525,6 +515,27 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def get_naming_workers(refs: list[ray.ObjectRef], timeout_s: float | None,
+                       name: Callable[[ray.ObjectRef], tuple[str, str] | None]) -> list[Any]:
+    """``ray.get(refs)`` within ``timeout_s`` (None: no bound); workers that do not answer are a
+    :class:`WorkerCallTimeout`, a dead one a :class:`WorkerDied`, each named by ``name(ref)``: (worker, method)."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=0)
+        who = ", ".join(f"{n[0]}.{n[1]}" if (n := name(ref)) else "a worker" for ref in late)
+        raise WorkerCallTimeout(
+            f"no answer after resources.worker_call_timeout_s={timeout_s:g} s from {who}; if that call is only "
+            "slow, raise it (-o resources.worker_call_timeout_s=SECONDS), otherwise look for what hangs in that "
+            "worker (its log is in Ray's session folder, /tmp/ray/session_latest/logs, by pid)") from None
+    except ray.exceptions.RayActorError as exc:
+        dead = next((ref for ref in refs if _died(ref)), None)
+        named = name(dead) if dead is not None else None
+        who = f"worker {named[0]}" if named else "a worker"
+        raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
+                         "/tmp/ray/session_latest/logs, by pid)") from None
+
+
 def _died(ref: ray.ObjectRef) -> bool:
     """Whether ``ref`` is ready and failed because its actor died."""
     try:
@@ -572,27 +583,16 @@ class RayWorkerCalls(DeferredCalls):
         futures = list(futures)
         self.while_waiting()
         try:
-            return ray.get(futures, timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            _, late = ray.wait(futures, num_returns=len(futures), timeout=0)
-            with self._origin_lock:
-                origins = [self._origin.get(ref) for ref in late]
-            who = ", ".join(f"{self.groups[o[0]].name(o[1])}.{o[2]}" if o else "a worker" for o in origins)
-            raise WorkerCallTimeout(
-                f"no answer after resources.worker_call_timeout_s={self.timeout_s:g} s from {who}; if that call is only "
-                "slow, raise it (-o resources.worker_call_timeout_s=SECONDS), otherwise look for what hangs in that "
-                "worker (its log is in Ray's session folder, /tmp/ray/session_latest/logs, by pid)") from None
-        except ray.exceptions.RayActorError as exc:
-            dead = next((ref for ref in futures if _died(ref)), None)
-            with self._origin_lock:
-                origin = self._origin.get(dead) if dead is not None else None
-            who = f"worker {self.groups[origin[0]].name(origin[1])}" if origin else "a worker"
-            raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
-                             "/tmp/ray/session_latest/logs, by pid)") from None
+            return get_naming_workers(futures, self.timeout_s, self._name)
         finally:
             with self._origin_lock:
                 for ref in futures:
                     self._origin.pop(ref, None)
+
+    def _name(self, ref: ray.ObjectRef) -> tuple[str, str] | None:
+        with self._origin_lock:
+            origin = self._origin.get(ref)
+        return (self.groups[origin[0]].name(origin[1]), origin[2]) if origin else None
 
     def defer(self, futures: list[Any], failure: str, origins: list[tuple[str, int, str] | None] | None = None) -> None:
         """As :meth:`DeferredCalls.defer`; ``origins``: who answers each future (role, rank, method), when another
