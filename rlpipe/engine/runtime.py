@@ -147,6 +147,10 @@ class Runtime:
             sample = sample.append_column(PROMPT_TEXT, pa.array(texts, pa.string()))
         return sample
 
+    def checkpoints_after(self, step: int) -> bool:
+        """Whether :meth:`end_step` writes a checkpoint after ``step``."""
+        return self._due(self.config.trainer.checkpoint_every, step)
+
     def _due(self, every: int, step: int) -> bool:
         """Every ``every`` steps (0 = never), except after the last step (the end of the run handles it)."""
         return bool(every) and (step + 1) % every == 0 and step + 1 < self.config.trainer.total_steps

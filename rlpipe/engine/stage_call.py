@@ -149,8 +149,9 @@ class ChainStep:
 
 
 def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str,
-              states: dict[str, Any] | None = None, workers: Any = None) -> list[ChainStep]:
-    """Run ``stages`` in order, each on the table the previous one made; stops at the first error.
+              states: dict[str, Any] | None = None, workers: Any = None) -> tuple[list[ChainStep], pa.Table | None]:
+    """Run ``stages`` in order, each on the table the previous one made; stops at the first error. Returns
+    every stage's step and the last table (None when a stage failed).
 
     Each stage gets its own ``timeout_s`` (:func:`~rlpipe.deadline.call_with_deadline`): a hung stage
     ends the chain with a :class:`~rlpipe.deadline.StageTimeout` naming ``where``, at its own deadline.
@@ -169,9 +170,9 @@ def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: st
             batch = apply_result(stage, batch, result)
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
             steps.append(ChainStep(None, exc, start, time.time() - start, _deferred(stage, workers)))
-            break
+            return steps, None
         steps.append(ChainStep(result, None, start, time.time() - start, _deferred(stage, workers)))
-    return steps
+    return steps, batch
 
 
 def _deferred(stage: ChainedStage, workers: Any) -> list[tuple[list[Any], str, list[Any]]]:

@@ -48,12 +48,21 @@ class SyncMode(Mode):
         nodes = rt.plan.nodes
         kinds = [n.kind for n in nodes]
         cut = kinds.index("filter_groups") + 1 if "filter_groups" in kinds else 0
-        for step in range(rt.start_step, rt.config.trainer.total_steps):
+        total = rt.config.trainer.total_steps
+        following = None  # the next step's prompts, drawn early for its first chain to start early
+        for step in range(rt.start_step, total):
             metrics: dict[str, float] = {}
-            table = rt.loader.next_batch(step)
+            table = following if following is not None else rt.loader.next_batch(step)
+            following = None
             if cut:
                 table, metrics = self._collect_informative_groups(step, table, nodes[:cut])
-            table, rest = rt.executor.run(step, table, nodes[cut:], extras=self.EXTRAS)
+            elif step + 1 < total and not rt.checkpoints_after(step):
+                # the next step's generation can start as soon as this step's push is done, while the driver
+                # writes this step's records and ends it (on Ray). Not before a checkpoint: it keeps the prompt
+                # loader's position, which must not have moved past the next step yet.
+                following = rt.loader.next_batch(step + 1)
+            table, rest = rt.executor.run(step, table, nodes[cut:], extras=self.EXTRAS,
+                                          then=(step + 1, following) if following is not None else None)
             rt.end_step(step, table, {**metrics, **rest})
 
     def _collect_informative_groups(self, step: int, prompts: pa.Table, head) -> tuple[pa.Table, dict[str, float]]:

@@ -23,7 +23,7 @@ from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import DP_RANK, UID
-from rlpipe.engine.stage_call import ChainedStage, apply_result, as_array, merge_results
+from rlpipe.engine.stage_call import ChainedStage, ChainStep, apply_result, as_array, merge_results
 from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class Backend(Protocol):
 
     # optional: ``overlap(work)``: call ``work()`` whenever the backend waits on a remote call (Ray). The executor
     # then writes each node's lineage record while the next node runs instead of before it starts.
+    # ``task_stages_in_workers`` with ``host(role)``, ``start_worker_chain(role, stages, table | started call, ctxs,
+    # hand_on)`` and ``finish_worker_chain(call, timeout_s)``: a role with one worker runs the task nodes next to
+    # its own in one call (Ray); ``run_task_chain(stages, table, ctxs, timeout_s)``: consecutive task nodes in one.
 
 
 class _Backlog(threading.local):
@@ -93,6 +96,8 @@ class StepExecutor:
         self.replica_of: dict[str, int] = {}
         """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
         self._backlog = _Backlog()
+        self._started: tuple[int, pa.Table, list[PlannedNode], dict[str, Any], _StartedChain] | None = None
+        """The next step's first worker chain, started by ``run(..., then=...)``: its step, input, nodes, extras."""
         overlap = getattr(backend, "overlap", None)
         self._records_overlap = callable(overlap)
         """On a backend whose stages run elsewhere (Ray) a node's record (fingerprints: ~0.5 ms a node) is written
@@ -112,26 +117,41 @@ class StepExecutor:
         return self.backend.group_size("actor")
 
     def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
-            extras: dict[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
+            extras: dict[str, Any] | None = None,
+            then: tuple[int, pa.Table] | None = None) -> tuple[pa.Table, dict[str, float]]:
         """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics.
 
         Consecutive nodes run as one remote call when the backend can chain them (Ray): the nodes of
         a role that has one worker with the task nodes next to them, as one call of that worker;
         other consecutive task nodes as one task. One round trip and one shipment of the batch
-        instead of one per node; each node still gets its own lineage record."""
+        instead of one per node; each node still gets its own lineage record.
+
+        ``then``: the next step and its input, which the caller runs next with the same ``nodes`` and
+        ``extras``: once this step's last node is done, its first worker chain starts (when the nodes
+        begin with one), so that it runs while this step's records are written and the caller ends
+        the step. The caller must not change between the steps what that chain reads."""
         metrics: dict[str, float] = {}
         fp = LazyFingerprint(table)
         todo = list(nodes if nodes is not None else self.plan.nodes)
+        extras = extras or {}
         i = 0
+        handed = self._take_started(step, table, todo, extras)  # the worker chain at ``i``, already started
         try:
             while i < len(todo):
                 group, role = self._fusable(todo, i)
-                if len(group) > 1:
-                    table, node_metrics, fp = self.run_fused(step, group, table, fp, extras or {}, role)
+                if len(group) > 1 and role is not None:
+                    started, handed = handed or self._start_chain(step, todo, i, table, extras), None
+                    if started.hands_on:  # the next worker chain starts now, on this one's output
+                        handed = self._start_chain(step, todo, i + len(group), started.call, extras)
+                    table, node_metrics, fp = self.finish_chain(step, started, table, fp)
+                elif len(group) > 1:
+                    table, node_metrics, fp = self.run_fused(step, group, table, fp, extras)
                 else:
-                    table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras or {})
+                    table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras)
                 metrics.update(node_metrics)
                 i += len(group)
+            if then is not None and not self.before_node and self._fusable(todo, 0)[1] is not None:
+                self._started = (then[0], then[1], todo, extras, self._start_chain(then[0], todo, 0, then[1], extras))
         except BaseException:
             # whatever ended the step (a mode hook, an interrupt), the nodes that ran keep their records; the
             # error that ended it is the one raised
@@ -141,6 +161,17 @@ class StepExecutor:
             raise
         self.write_backlog()
         return table, metrics
+
+    def _take_started(self, step: int, table: pa.Table, todo: list[PlannedNode],
+                      extras: dict[str, Any]) -> "_StartedChain | None":
+        """The chain the previous ``run`` started for this one (its ``then``), if any."""
+        if self._started is None:
+            return None
+        (started_step, started_table, started_nodes, started_extras, started), self._started = self._started, None
+        if (started_step, started_nodes, started_extras) != (step, todo, extras) or started_table is not table:
+            raise ValueError(f"step {step}: run() was told (then=) that step {started_step} comes next with other "
+                             "input or nodes; its first chain already started")
+        return started
 
     def write_backlog(self) -> None:
         """Hand this thread's pending lineage records to the observer, in order; raise the first error one raised
@@ -212,13 +243,10 @@ class StepExecutor:
             self._fail(step, node, table, input_fp, start, exc)
         return self._finish(step, node, table, out, result, start, time.time() - start, input_fp)
 
-    def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str | LazyFingerprint,
-                  extras: dict[str, Any], role: str | None = None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
-        """``group`` as one backend call (see :meth:`_fusable`; ``role``: the worker that runs it, None: a
-        task); then, per node, the same records and checks as :meth:`run_node` (its result applied here to
-        rebuild its input and output). The mode hooks of the group's nodes run before and after the whole
-        call; a node's duration is its stage's run time inside the call. Each node's ``timeout_s`` is enforced
-        inside the call (a worker whose own stage ran past it is then killed), their sum bounds the wait here."""
+    def _chained(self, step: int, group: list[PlannedNode], extras: dict[str, Any],
+                 role: str | None) -> tuple[list[StageContext], list[ChainedStage], float | None]:
+        """What a fused call of ``group`` needs: each node's context and stage, and the bound of the wait for the
+        whole (the sum of the nodes' timeouts); the mode hooks before the group's nodes run here."""
         ctxs = [self._context(step, node, extras) for node in group]
         for node in group:
             for hook in self.before_node:
@@ -228,15 +256,54 @@ class StepExecutor:
                                n.spec.role if n.spec.placement == "worker" else None, n.spec.placement == "driver")
                   for n in group]
         timeouts = [n.timeout_s for n in group]
-        bound = None if None in timeouts else sum(timeouts)
+        return ctxs, stages, None if None in timeouts else sum(timeouts)
+
+    def _start_chain(self, step: int, todo: list[PlannedNode], at: int, source: Any,
+                     extras: dict[str, Any]) -> "_StartedChain":
+        """Submit the worker chain at ``todo[at]`` (see :meth:`_fusable`) on ``source``: the step's table, or the
+        started chain before it. It hands its last table on to the next node's worker chain, to be started at
+        once (the batch goes worker to worker, not through the driver), when there is one and nothing the
+        driver does after this chain can change what the next one is given: no driver stage in it (a weight
+        push bumps the policy version of the next nodes' contexts) and no mode hook between nodes."""
+        group, role = self._fusable(todo, at)
+        after = at + len(group)
+        following, next_role = self._fusable(todo, after) if after < len(todo) else ([], None)
+        hands_on = (next_role is not None and len(following) > 1 and not self.before_node
+                    and all(n.spec.placement != "driver" for n in group))
+        ctxs, stages, bound = self._chained(step, group, extras, role)
+        start = time.time()
+        call = self.backend.start_worker_chain(role, stages, source, ctxs, hands_on)
+        return _StartedChain(group, role, ctxs, call, bound, start, hands_on)
+
+    def finish_chain(self, step: int, started: "_StartedChain", table: pa.Table,
+                     input_fp: str | LazyFingerprint) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
+        """Wait for a started worker chain (its bound counted from now), then record it as :meth:`run_fused`."""
+        try:
+            steps = self.backend.finish_worker_chain(started.call, started.bound)
+        except Exception as exc:
+            self._fail(step, started.group[0], table, input_fp, started.start, exc)
+        return self._record_chain(step, started.group, started.ctxs, steps, table, input_fp, started.role)
+
+    def run_fused(self, step: int, group: list[PlannedNode], table: pa.Table, input_fp: str | LazyFingerprint,
+                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
+        """``group``, a run of task nodes, as one task (see :meth:`_fusable`); then, per node, the same records and
+        checks as :meth:`run_node`. See :meth:`_record_chain`."""
+        ctxs, stages, bound = self._chained(step, group, extras, None)
         start = time.time()
         try:
-            if role is None:
-                steps = self.backend.run_task_chain(stages, table, ctxs, bound)
-            else:
-                steps = self.backend.run_worker_chain(role, stages, table, ctxs, bound)
+            steps = self.backend.run_task_chain(stages, table, ctxs, bound)
         except Exception as exc:
             self._fail(step, group[0], table, input_fp, start, exc)
+        return self._record_chain(step, group, ctxs, steps, table, input_fp, None)
+
+    def _record_chain(self, step: int, group: list[PlannedNode], ctxs: list[StageContext], steps: list[ChainStep],
+                      table: pa.Table, input_fp: str | LazyFingerprint,
+                      role: str | None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
+        """Per node of a fused call (``role``: the worker that ran it, None: a task), the same records and checks
+        as :meth:`run_node`, its result applied here to rebuild its input and output. The mode hooks of the
+        group's nodes ran before the whole call and run after it; a node's duration is its stage's run time inside
+        the call. Each node's ``timeout_s`` is enforced inside the call (a worker whose own stage ran past it is
+        then killed), their sum bounds the wait for it."""
         metrics: dict[str, float] = {}
         fp = input_fp
         # a task or driver node that ran in a worker's call says so in its lineage
@@ -377,6 +444,21 @@ class StepExecutor:
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
         results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs, node.timeout_s)
         return merge_results(results, shards, spec.creates_rows)
+
+
+@dataclasses.dataclass
+class _StartedChain:
+    """A worker chain submitted by :meth:`StepExecutor._start_chain`, not yet waited for."""
+
+    group: list[PlannedNode]
+    role: str
+    ctxs: list[StageContext]
+    call: Any
+    """The backend's handle of the call."""
+    bound: float | None
+    start: float
+    hands_on: bool
+    """Its last table goes straight to the next worker chain."""
 
 
 def _stage_error(node: PlannedNode, step: int, exc: Exception) -> StageError:

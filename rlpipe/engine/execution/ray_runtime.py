@@ -75,7 +75,7 @@ def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[Stage
     (and applies them again: one lineage record per node). The first failure ends the chain."""
     register_arrow_ipc()
     task = ray.get_runtime_context().get_task_id()
-    return run_chain(stages, batch, ctxs, f"a Ray task (task id {task}; the stage's thread in it is abandoned)")
+    return run_chain(stages, batch, ctxs, f"a Ray task (task id {task}; the stage's thread in it is abandoned)")[0]
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -126,9 +126,23 @@ class WorkerActor:
         """Every role's workers (once, after start), for the driver stages run in this worker's chain calls."""
         self.peers = peers
 
-    def run_chain(self, stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
+    def run_chain(self, stages: list[ChainedStage], batch: pa.Table | None, ctxs: list[StageContext]) -> list[ChainStep]:
         """This worker's stages and the task and driver stages next to them in one call (see
-        :meth:`RayBackend.run_worker_chain`)."""
+        :meth:`RayBackend.start_worker_chain`). ``batch`` None: the chain that was to make it failed; nothing runs."""
+        return self._chain(stages, batch, ctxs)[0] if batch is not None else []
+
+    @ray.method(num_returns=2)
+    def run_chain_handing_on(self, stages: list[ChainedStage], batch: pa.Table | None,
+                             ctxs: list[StageContext]) -> tuple[list[ChainStep], pa.Table | None]:
+        """:meth:`run_chain`, and the chain's last table as a second object, which the next worker's chain takes
+        as its input without a stop at the driver (None when a stage failed). ``batch`` None: the chain that
+        was to make it failed; nothing runs."""
+        if batch is None:
+            return [], None
+        return self._chain(stages, batch, ctxs)
+
+    def _chain(self, stages: list[ChainedStage], batch: pa.Table,
+               ctxs: list[StageContext]) -> tuple[list[ChainStep], pa.Table | None]:
         fused = self.peers is not None and any(s.driver for s in stages)
         workers = PeerCalls(self.states, self.peers) if fused else None
         return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
@@ -237,6 +251,19 @@ def _node_address() -> str:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return f"{ray.util.get_node_ip_address()}:{sock.getsockname()[1]}"
+
+
+@dataclasses.dataclass
+class ChainCall:
+    """A worker chain submitted and not yet waited for (:meth:`RayBackend.start_worker_chain`)."""
+
+    role: str
+    stages: list[ChainedStage]
+    step: int
+    ref: ray.ObjectRef
+    """Its steps (list[ChainStep])."""
+    table_ref: ray.ObjectRef | None
+    """Its last table, for the next chain (None: not handed on)."""
 
 
 class WorkerDied(RlpipeError):
@@ -461,24 +488,41 @@ class RayBackend:
 
     def run_worker_chain(self, role: str, stages: list[ChainedStage], table: pa.Table, ctxs: list[StageContext],
                          timeout_s: float | None = None) -> list[ChainStep]:
-        """``stages`` (the stages of ``role`` and task stages next to them) as one call of the role's only worker:
-        one round trip and no Ray task for the task stages. Each stage's ``timeout_s`` is enforced inside the
-        call; when one of the worker's own stages ran past it, the worker is killed (as :meth:`run_on_workers`
-        does: the abandoned thread still holds its state). ``timeout_s`` bounds the wait for the whole call."""
+        """``stages`` as one call of the role's only worker (:meth:`start_worker_chain`), waited for."""
+        return self.finish_worker_chain(self.start_worker_chain(role, stages, table, ctxs), timeout_s)
+
+    def start_worker_chain(self, role: str, stages: list[ChainedStage], table: "pa.Table | ChainCall",
+                           ctxs: list[StageContext], hand_on: bool = False) -> "ChainCall":
+        """Submit ``stages`` (the stages of ``role`` and task and driver stages next to them) as one call of the
+        role's only worker: one round trip and no Ray task for the task stages. ``table``: the input, or a
+        started chain that hands its last table on (``hand_on``): Ray moves it from that worker to this one
+        when it is made, without a stop at the driver (which rebuilds it from the chain's results)."""
         group = self.groups[role]
         if group.size != 1:
             raise ValueError(f"a chain runs on a role with one worker; {role} has {group.size}")
+        batch = table.table_ref if isinstance(table, ChainCall) else contiguous(table)
+        actor = group.actors[0]
+        if hand_on:
+            ref, table_ref = actor.run_chain_handing_on.remote(stages, batch, ctxs)
+        else:
+            ref, table_ref = actor.run_chain.remote(stages, batch, ctxs), None
+        return ChainCall(role, stages, ctxs[0].step, ref, table_ref)
+
+    def finish_worker_chain(self, call: "ChainCall", timeout_s: float | None = None) -> list[ChainStep]:
+        """The steps of a started chain. Each stage's ``timeout_s`` is enforced inside the call; when one of the
+        worker's own stages ran past it, the worker is killed (as :meth:`run_on_workers` does: the abandoned
+        thread still holds its state). ``timeout_s`` bounds the wait for the whole call from now."""
+        group, stages = self.groups[call.role], call.stages
         names = ", ".join(f"{s.kind}/{s.impl}" for s in stages)
-        ref = group.actors[0].run_chain.remote(stages, contiguous(table), ctxs)
         self.workers.while_waiting()
-        ready, _ = ray.wait([ref], timeout=timeout_s)
+        ready, _ = ray.wait([call.ref], timeout=timeout_s)
         if not ready:
             group.kill(0)
             raise StageTimeout(timeout_s, f"worker {group.name(0)} running {names} (killed)")
         try:
-            steps = ray.get(ref)
+            steps = ray.get(call.ref)
         except ray.exceptions.RayActorError as exc:
-            raise WorkerDied(f"worker {group.name(0)} died while running stages {names} at step {ctxs[0].step}: "
+            raise WorkerDied(f"worker {group.name(0)} died while running stages {names} at step {call.step}: "
                              f"{_first_line(exc)}") from None
         last = steps[-1] if steps else None
         if last is not None and isinstance(last.error, StageTimeout) and stages[len(steps) - 1].role is not None:

@@ -1,0 +1,104 @@
+"""Worker chains on Ray (resources.task_stages_in_workers): a role with one worker runs its nodes and the task nodes
+next to them in one call, and one chain hands its last table straight to the next worker's chain (Ray moves it
+worker to worker; the driver rebuilds it from the chain's results for the lineage).
+
+Checked: separate workers compute exactly what the in-process run computes, through three handoffs a step; a
+chain that failed hands nothing on, so the chain after it runs nothing; a handed table is the table the driver
+would have sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlpipe.engine.execution.ray_runtime import RayBackend
+from rlpipe.engine.planning.config_io import validate_config
+from rlpipe.engine.planning.plan import build_plan
+from rlpipe.engine.runtime import ALWAYS_ROLES, Runtime, run_pipeline
+from rlpipe.engine.stage_call import ChainedStage, apply_result
+from rlpipe.engine.tracking.observer import NullObserver
+from rlpipe.schemas.batch import ADVANTAGES, OLD_LOGPROBS
+from rlpipe.stage import StageContext
+
+from conftest import Recorder, quickstart_raw
+
+pytestmark = pytest.mark.e2e
+
+
+def _raw(tmp_path, steps: int = 3) -> dict:
+    """The quickstart with a reference model on its own worker: rollout, trainer and reference chains a step."""
+    raw = quickstart_raw(data={"prompts_per_step": 4}, tracking={"enabled": False},
+                         trainer={"total_steps": steps, "output_dir": str(tmp_path)})
+    stages = [s for s in raw["stages"] if s["kind"] != "update"]
+    stages.append({"kind": "ref", "impl": "reference"})
+    stages.append({"kind": "update", "impl": "ppo", "params": {"use_kl_loss": True, "kl_loss_coef": 0.01}})
+    raw["stages"] = stages
+    return raw
+
+
+def test_separate_workers_handing_batches_on_compute_what_the_in_process_run_computes(ray_session, tmp_path):
+    inline, on_ray = Recorder(), Recorder()
+    run_pipeline(validate_config(_raw(tmp_path / "inline")), "", observer=inline, inline=True)
+    run_pipeline(validate_config(_raw(tmp_path / "ray")), "", observer=on_ray)
+    assert on_ray.status == "FINISHED"
+    for step in range(3):
+        for key in ("reward/mean", "actor/grad_norm", "actor/kl_loss", "actor/pg_loss", "generate/response_length_mean"):
+            assert on_ray.metrics[step][key] == inline.metrics[step][key], (step, key)
+    records = {(r.step, r.node): r for r in on_ray.records}
+    in_process = {(r.step, r.node): r for r in inline.records}
+    assert records.keys() == in_process.keys()
+    for key, record in records.items():  # the driver rebuilt every node's input and output: the same lineage
+        assert (record.input_fingerprint, record.output_fingerprint) == (
+            in_process[key].input_fingerprint, in_process[key].output_fingerprint), key
+    for step in range(3):  # each role's nodes ran in its own worker's call, the task nodes with them
+        assert records[(step, "generate")].worker.startswith("rollout×1@")
+        assert records[(step, "reward")].worker.startswith("task in rollout×1@")
+        assert records[(step, "ref")].worker.startswith("ref×1@")
+        assert records[(step, "update")].worker.startswith("actor×1@")
+
+
+def _chain(plan, kinds: list[str], **params) -> list[ChainedStage]:
+    nodes = [n for n in plan.nodes if n.kind in kinds]
+    return [ChainedStage(n.kind, n.impl, {**n.params_dict, **params.get(n.kind, {})}, dict(n.writes), n.timeout_s,
+                         n.spec.role if n.spec.placement == "worker" else None) for n in nodes]
+
+
+@pytest.fixture
+def runtime(ray_session, tmp_path):
+    config = validate_config(_raw(tmp_path, steps=1))
+    plan = build_plan(config)
+    backend = RayBackend.start(config, set(ALWAYS_ROLES) | plan.roles())
+    try:
+        yield Runtime(config, plan, NullObserver(), "chains", backend)
+    finally:
+        backend.shutdown()
+
+
+def test_a_handed_table_is_the_one_the_driver_would_send_and_a_failed_chain_hands_nothing_on(runtime):
+    backend, plan = runtime.backend, runtime.plan
+    prompts = runtime.loader.next_batch(0)
+    rollout = _chain(plan, ["generate", "reward", "balance"])
+    trainer = _chain(plan, ["old_log_prob", "advantage"])
+
+    def ctxs(chain):  # the engine stays awake between the chains of this test (sync puts it to sleep)
+        return [StageContext(step=0, seed=0, extras={"temperature": 1.0}) for _ in chain]
+
+    first = backend.start_worker_chain("rollout", rollout, prompts, ctxs(rollout), hand_on=True)
+    handed = backend.start_worker_chain("actor", trainer, first, ctxs(trainer))
+    made = backend.finish_worker_chain(first)
+    assert [s.error for s in made] == [None] * 3
+    table = prompts
+    for stage, step in zip(rollout, made):  # what the driver sends without the handoff
+        table = apply_result(stage, table, step.result)
+    sent = backend.run_worker_chain("actor", trainer, table, ctxs(trainer))
+    got = backend.finish_worker_chain(handed)
+    assert [s.error for s in got] == [None, None]
+    for i, column in enumerate((OLD_LOGPROBS, ADVANTAGES)):  # the same batch in, the same values out
+        assert got[i].result.columns[column].equals(sent[i].result.columns[column]), column
+        assert len(got[i].result.columns[column]) == table.num_rows
+
+    broken = _chain(plan, ["generate", "reward"], reward={"no_such_param": 1})
+    first = backend.start_worker_chain("rollout", broken, prompts, ctxs(broken), hand_on=True)
+    handed = backend.start_worker_chain("actor", trainer, first, ctxs(trainer))
+    made = backend.finish_worker_chain(first)
+    assert made[0].error is None and "no_such_param" in str(made[1].error)  # the reward stage's params refused
+    assert backend.finish_worker_chain(handed) == []  # the trainer's call got nothing and ran nothing
