@@ -168,7 +168,9 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
 def summarize(run: dict, warmup: int) -> dict:
     steps = np.diff(np.asarray(run["stamps"]))[warmup:]
     step_s = float(np.median(steps))
-    completion = float(np.nanmean(run["completion_lengths"]))
+    lengths = np.asarray(run["completion_lengths"], dtype=float)
+    # NaN for separate_async (no per-step length), filled in by _fill_async_lengths
+    completion = float(np.nanmean(lengths)) if np.isfinite(lengths).any() else float("nan")
     return {"step_s": step_s, "completion_len": completion,
             "tokens_per_s": PROMPTS * SAMPLES * (PROMPT_TOKENS + completion) / step_s,
             "reward_first5": float(np.mean(run["rewards"][:5])), "reward_mean": float(np.mean(run["rewards"])),

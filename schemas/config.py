@@ -240,7 +240,9 @@ class ResourcesConfig(Strict):
     when that worker's role has a single worker (e.g. generate, reward, balance as one call of the rollout replica;
     old_log_prob, advantage, update as one call of the trainer): one Ray round trip instead of one per node and no
     Ray task. A driver stage that declares the roles it calls (weight_sync) then runs at the end of that call too:
-    the trainer exports, bumps its version and calls the rollout replicas itself. false: every task stage runs as
+    the trainer exports, bumps its version and calls the rollout replicas itself. Such a call hands its last table
+    straight to the next worker's call (the trainer's after the rollout's: worker to worker through Ray's object
+    store, not through the driver). false: every task stage runs as
     a Ray task (consecutive ones as one task), on any node with a free CPU, and driver stages on the driver: for
     task stages heavy enough to need a CPU or memory of their own. Lineage records where each node ran
     (`task in actor×1@...`, `driver in actor×1@...`)."""

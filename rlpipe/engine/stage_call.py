@@ -3,8 +3,9 @@
 ``run_stage`` looks an implementation up by (kind, impl), validates its params and
 runs it, turning any failure into a :class:`~rlpipe.errors.StageError` that names
 kind, impl and step; ``apply_result`` checks a result against the node's declared
-writes and assembles the next table; ``run_chain`` runs consecutive stateless stages in
-one call (a fused task); ``shard_rows`` routes rows to a role's workers.
+writes and assembles the next table; ``run_chain`` runs consecutive stages in one call (a
+fused task or worker call) and returns each stage's result and the last table; ``shard_rows``
+routes rows to a role's workers.
 Kept apart from the execution backends so that worker state (the rollout feeder)
 can run stages without importing them: imports run execution → state → this module.
 """
