@@ -19,7 +19,7 @@ import time
 
 from pydantic import Field
 
-from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async
+from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async, group_order
 from rlpipe.registry import registry
 
 
@@ -73,7 +73,7 @@ class ColocateAsyncMode(AsyncMode):
                 last = step + 1 == total
                 if self.params.overlap and not last:
                     self.submit(step, groups)  # generated now, on version `step`, during this step's tail
-                self.train(step, batch, time.time() - waited, bound)
+                self.train(step, group_order(batch), time.time() - waited, bound)
                 if not self.params.overlap and not last:
                     self.submit(step + 1, groups)  # strict alternation: after this step's push
         finally:

@@ -4,9 +4,12 @@ worker to worker; the driver rebuilds it from the chain's results for the lineag
 
 Checked: separate workers compute exactly what the in-process run computes, through three handoffs a step; a
 chain that failed hands nothing on, so the chain after it runs nothing; a handed table is the table the driver
-would have sent."""
+would have sent; the next step's first chain (sync: generation; separate_async: the trainer's, on a batch sampled
+when the push is done) runs while the driver ends the step."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -102,3 +105,37 @@ def test_a_handed_table_is_the_one_the_driver_would_send_and_a_failed_chain_hand
     made = backend.finish_worker_chain(first)
     assert made[0].error is None and "no_such_param" in str(made[1].error)  # the reward stage's params refused
     assert backend.finish_worker_chain(handed) == []  # the trainer's call got nothing and ran nothing
+
+
+class SlowStepEnd(Recorder):
+    """An observer that takes half a second to end a step (a slow tracking store); when each step's end returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.ended: dict[int, float] = {}
+
+    def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
+        super().on_step_end(step, metrics, trajectories, trajectory_lineage)
+        time.sleep(0.5)
+        self.ended[step] = time.time()
+
+
+@pytest.mark.parametrize("mode, first_node, every_step", [
+    ("sync", "generate", True),  # the next prompts are drawn early: always
+    # the next batch is sampled when the push is done, if the buffer holds one by then
+    ("separate_async", "staleness_guard", False),
+])
+def test_the_next_steps_first_chain_runs_while_the_driver_ends_the_step(ray_session, tmp_path, mode, first_node,
+                                                                       every_step):
+    raw = _raw(tmp_path, steps=4)
+    if mode == "separate_async":
+        raw["mode"] = mode
+        raw["mode_params"] = {"max_off_policy_threshold": 2, "capacity_steps": 2}
+        at = next(i for i, s in enumerate(raw["stages"]) if s["kind"] == "balance")
+        raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
+    observer = SlowStepEnd()
+    run_pipeline(validate_config(raw), "", observer=observer)
+    assert observer.status == "FINISHED"
+    starts = {r.step: r.start_time for r in observer.records if r.node == first_node}
+    early = [starts[step + 1] < observer.ended[step] for step in range(3)]
+    assert all(early) if every_step else any(early), (early, starts, observer.ended)

@@ -118,7 +118,7 @@ class StepExecutor:
 
     def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
             extras: dict[str, Any] | None = None,
-            then: tuple[int, pa.Table] | None = None) -> tuple[pa.Table, dict[str, float]]:
+            then: Callable[[], tuple[int, pa.Table] | None] | None = None) -> tuple[pa.Table, dict[str, float]]:
         """Run ``nodes`` (default: all) in plan order; returns the final table and all metrics.
 
         Consecutive nodes run as one remote call when the backend can chain them (Ray): the nodes of
@@ -126,10 +126,11 @@ class StepExecutor:
         other consecutive task nodes as one task. One round trip and one shipment of the batch
         instead of one per node; each node still gets its own lineage record.
 
-        ``then``: the next step and its input, which the caller runs next with the same ``nodes`` and
-        ``extras``: once this step's last node is done, its first worker chain starts (when the nodes
-        begin with one), so that it runs while this step's records are written and the caller ends
-        the step. The caller must not change between the steps what that chain reads."""
+        ``then``: called once this step's last node is done, when the nodes begin with a worker chain;
+        returns the next step and its input (or None), which the caller then runs next with the same
+        ``nodes`` and ``extras``. That step's first chain starts at once, so that it runs while this
+        step's records are written and the caller ends the step; the caller must not change in between
+        what that chain reads."""
         metrics: dict[str, float] = {}
         fp = LazyFingerprint(table)
         todo = list(nodes if nodes is not None else self.plan.nodes)
@@ -151,7 +152,9 @@ class StepExecutor:
                 metrics.update(node_metrics)
                 i += len(group)
             if then is not None and not self.before_node and self._fusable(todo, 0)[1] is not None:
-                self._started = (then[0], then[1], todo, extras, self._start_chain(then[0], todo, 0, then[1], extras))
+                if (following := then()) is not None:
+                    self._started = (*following, todo, extras, self._start_chain(following[0], todo, 0, following[1],
+                                                                                 extras))
         except BaseException:
             # whatever ended the step (a mode hook, an interrupt), the nodes that ran keep their records; the
             # error that ended it is the one raised
@@ -164,7 +167,7 @@ class StepExecutor:
 
     def _take_started(self, step: int, table: pa.Table, todo: list[PlannedNode],
                       extras: dict[str, Any]) -> "_StartedChain | None":
-        """The chain the previous ``run`` started for this one (its ``then``), if any."""
+        """The chain the previous ``run`` started for this one (what its ``then`` returned), if any."""
         if self._started is None:
             return None
         (started_step, started_table, started_nodes, started_extras, started), self._started = self._started, None
