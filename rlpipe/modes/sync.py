@@ -61,9 +61,8 @@ class SyncMode(Mode):
                 # writes this step's records and ends it (on Ray). Not before a checkpoint: it keeps the prompt
                 # loader's position, which must not have moved past the next step yet.
                 following = rt.loader.next_batch(step + 1)
-            then = (step + 1, following)
             table, rest = rt.executor.run(step, table, nodes[cut:], extras=self.EXTRAS,
-                                          then=(lambda: then) if following is not None else None)
+                                          then=(lambda: (step + 1, following)) if following is not None else None)
             rt.end_step(step, table, {**metrics, **rest})
 
     def _collect_informative_groups(self, step: int, prompts: pa.Table, head) -> tuple[pa.Table, dict[str, float]]:

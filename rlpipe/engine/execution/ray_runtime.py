@@ -129,7 +129,7 @@ class WorkerActor:
     def run_chain(self, stages: list[ChainedStage], batch: pa.Table | None, ctxs: list[StageContext]) -> list[ChainStep]:
         """This worker's stages and the task and driver stages next to them in one call (see
         :meth:`RayBackend.start_worker_chain`). ``batch`` None: the chain that was to make it failed; nothing runs."""
-        return self._chain(stages, batch, ctxs)[0] if batch is not None else []
+        return self._chain(stages, batch, ctxs)[0]
 
     @ray.method(num_returns=2)
     def run_chain_handing_on(self, stages: list[ChainedStage], batch: pa.Table | None,
@@ -137,12 +137,12 @@ class WorkerActor:
         """:meth:`run_chain`, and the chain's last table as a second object, which the next worker's chain takes
         as its input without a stop at the driver (None when a stage failed). ``batch`` None: the chain that
         was to make it failed; nothing runs."""
-        if batch is None:
-            return [], None
         return self._chain(stages, batch, ctxs)
 
-    def _chain(self, stages: list[ChainedStage], batch: pa.Table,
+    def _chain(self, stages: list[ChainedStage], batch: pa.Table | None,
                ctxs: list[StageContext]) -> tuple[list[ChainStep], pa.Table | None]:
+        if batch is None:  # the chain that was to make it failed
+            return [], None
         fused = self.peers is not None and any(s.driver for s in stages)
         workers = PeerCalls(self.states, self.peers) if fused else None
         return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
