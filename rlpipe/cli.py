@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, spool replay."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, spool replay, vllm-serve."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     replay.add_argument("path", help="the spool file, <output_dir>/<run>/tracking_spool.jsonl")
     replay.add_argument("--tracking-uri", default=None,
                         help="send them to this store instead of the one the run used")
+    serve = sub.add_parser("vllm-serve", help="start a vLLM server for a pipeline's model and keep it running "
+                                              "(runs attach with -o stages.generate.params.server.urls=[URL])")
+    serve.add_argument("pipeline", help="path of the pipeline YAML (its model, tokenizer and generate params)")
+    serve.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    serve.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("RLPIPE_LOG_LEVEL", "WARNING"))
     where: dict[str, str] = {}  # the run's output_dir once its config is read: the error log goes there
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             return cli_lineage.run_command(args)
         if args.command == "spool":
             return _spool_replay(args.path, args.tracking_uri)
+        if args.command == "vllm-serve":
+            return _vllm_serve(args.pipeline, args.override, args.port)
         return _stages()
     except RlpipeError as exc:
         if args.command != "run":  # validate and the readers: the whole message (a config's every bad field)
@@ -146,6 +153,42 @@ def _spool_replay(path: str, tracking_uri: str | None) -> int:
     run_id, calls = replay_spool(path, tracking_uri)
     Console().print(f"[bold green]replayed[/] {calls} tracking calls into MLflow run [bold]{run_id}[/]")
     return 0
+
+
+def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
+    """Serve the pipeline's initial model with rlpipe's vLLM flags until interrupted (runs push their own weights)."""
+    import time
+    from pathlib import Path
+
+    from rlpipe.backends.model import build_model, save_hf_model
+    from rlpipe.backends.tokenizer import build_tokenizer
+    from rlpipe.engine.planning.config_io import load_pipeline
+    from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
+
+    config, _ = load_pipeline(path, overrides)
+    node = next((s for s in config.stages if s.kind == "generate"), None)
+    if node is None or node.impl != "vllm":
+        raise ConfigError(f"{path}: vllm-serve needs a generate stage with impl: vllm (found "
+                          f"{node.impl if node else 'no generate stage'})")
+    params = VLLMParams(**{**node.params.get("server", {}), "urls": []})
+    tokenizer = build_tokenizer(config.tokenizer)
+    model = build_model(config.model, tokenizer, config.seed)
+    if params.max_model_len is None:
+        params = params.model_copy(update={"max_model_len": int(model.config.max_position_embeddings)})
+    root = Path(config.trainer.output_dir) / config.name / "vllm-serve"
+    server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name=f"{config.name}-vllm",
+                        port=port)
+    Console().print(f"serving on [bold]{server.url}[/] (log {server.log_path}); attach a run with\n"
+                    f"  rlpipe run {path} -o 'stages.generate.params.server.urls=[\"{server.url}\"]'\n"
+                    "Ctrl-C stops it.", highlight=False)
+    try:
+        while True:
+            server.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
 
 
 def _stages() -> int:

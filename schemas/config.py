@@ -226,7 +226,7 @@ class ResourcesConfig(Strict):
     `node_cache_dir`; trainer ranks send checkpoint files and saved models to the driver through the
     object store, and only the driver writes `trainer.output_dir`. None (the
     default): true on a one-node Ray (a laptop, a single machine: no copy, no extra cost), false on a
-    cluster of several nodes. An inline run (one process) always reads the paths. See README, "Multi-node"."""
+    cluster of several nodes. An inline run (one process) always reads the paths. See docs/trainers-and-multinode.md."""
     colocate: list[list[str]] = Field(default_factory=list)
     """Worker roles that share one Ray actor (one process) per rank, e.g. `[[actor, rollout, ref]]` (verl's hybrid
     engine): the trainer, the rollout engine and the reference take turns in one process. Their nodes, with the task

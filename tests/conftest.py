@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny pipeline config, a session-wide local Ray."""
+"""Shared fixtures: a tiny pipeline config, a session-wide local Ray, a session-wide vLLM server."""
 
 from __future__ import annotations
 
@@ -38,6 +38,41 @@ def ray_session():
     init_ray(None, 2)
     yield ray
     ray.shutdown()
+
+
+# The model every test that attaches to the shared vLLM server uses (its shapes are the server's). head_dim 64
+# (vLLM's CPU attention rejects smaller heads), grouped-query attention (2 heads share one KV head, as real models
+# do), and a context long enough for the abort tests' long responses.
+VLLM_CHARS = "abcdefgh 0123456789+="
+VLLM_ARCH = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128,
+             "max_position_embeddings": 32768}
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One real vLLM server for the whole test run, serving a model of VLLM_ARCH and VLLM_CHARS.
+
+    Tests attach to it (``VLLMParams(urls=[server.url])``); every attach pushes the attaching model's
+    weights as version 0 and resets the prefix cache, so a test sees only its own weights. A test that
+    kills its server, or checks rlpipe's own start of one, builds its own. Skips where vLLM's venv is
+    missing (``make setup`` makes it)."""
+    from rlpipe.backends.model import build_model, save_hf_model
+    from rlpipe.backends.tokenizer import build_tokenizer
+    from rlpipe.inference.contract import EngineError
+    from rlpipe.inference.vllm_server import VLLMParams, VLLMServer, vllm_python
+    from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
+
+    params = VLLMParams(kv_cache_gb=0.25, max_model_len=VLLM_ARCH["max_position_embeddings"], startup_timeout_s=600)
+    try:
+        vllm_python(params)
+    except EngineError as exc:
+        pytest.skip(str(exc))
+    tokenizer = build_tokenizer(TokenizerConfig(chars=VLLM_CHARS))
+    model = build_model(ModelConfig(architecture=ArchitectureConfig(**VLLM_ARCH)), tokenizer, 0)
+    root = tmp_path_factory.mktemp("shared-vllm")
+    server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name="shared-vllm")
+    yield server
+    server.close()
 
 
 _HANG = {"release": None}  # the Event the hanging scorer waits on; a fresh one per test

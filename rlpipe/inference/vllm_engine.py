@@ -1,9 +1,14 @@
-"""The vLLM rollout engine: rlpipe's engine contract over a vLLM server that rlpipe starts and owns.
+"""The vLLM rollout engine: rlpipe's engine contract over a vLLM server that rlpipe starts and owns,
+or one that already runs (``server.urls``).
 
 :func:`build_vllm_engine` writes the policy to a directory, starts one vLLM 0.32
 server on it (:class:`~rlpipe.inference.vllm_server.VLLMServer`) and returns a
 :class:`VLLMEngine`, a client that keeps the contract of
 :class:`~rlpipe.inference.contract.RolloutEngine` (the same as the embedded engine's).
+With ``urls`` it attaches instead: the server's model (its ``config.json``, read from the
+folder ``/v1/models`` names) must have the policy's shapes and its context must be long
+enough; the policy's weights are pushed as version 0 before the first request, and
+``close()`` leaves the server running.
 
 Tokens in, tokens out: every request goes to ``POST /inference/v1/generate``
 (vLLM's "scale-out" tokens-in/tokens-out route, ``--enable-scale-out``;
@@ -93,7 +98,7 @@ from rlpipe.inference.contract import (
     make_result,
     validate_request,
 )
-from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
+from rlpipe.inference.vllm_server import AttachedVLLMServer, VLLMParams, VLLMServer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -112,7 +117,7 @@ class _ParamSpec:
 
 
 class VLLMEngine(RolloutEngine):
-    """Client of one vLLM server that this engine owns (``close()`` stops it)."""
+    """Client of one vLLM server: one it owns (``close()`` stops it) or one it attached to (left running)."""
 
     def __init__(self, server: VLLMServer, params: Mapping[str, _ParamSpec], eos_id: int, max_model_len: int,
                  version: int = 0, max_concurrency: int = 64):
@@ -411,12 +416,14 @@ def build_vllm_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
     params = params if isinstance(params, VLLMParams) else VLLMParams(**dict(params or {}))
     name = f"vllm-{rank}"
+    specs = {n: _ParamSpec(p.shape, p.dtype) for n, p in model.named_parameters()}
+    if params.urls:
+        return _attach(model, tokenizer, params, rank, name, specs, version)
     root = Path(workdir) / name
     model_dir = save_hf_model(model, tokenizer, root / "model")
     max_len = params.max_model_len or int(model.config.max_position_embeddings)
     if params.max_model_len is None:
         params = params.model_copy(update={"max_model_len": max_len})
-    specs = {n: _ParamSpec(p.shape, p.dtype) for n, p in model.named_parameters()}
     server = VLLMServer(model_dir, root, params, name=name)
     try:
         return VLLMEngine(server, specs, tokenizer.eos_token_id, max_len, version=version,
@@ -424,3 +431,53 @@ def build_vllm_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     except BaseException:
         server.close()
         raise
+
+
+def _attach(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, params: VLLMParams, rank: int, name: str,
+            specs: Mapping[str, _ParamSpec], version: int) -> VLLMEngine:
+    """An engine on the running server ``params.urls[rank]``, holding ``model``'s weights as ``version``.
+
+    The server's context length is read from ``/v1/models``; a shorter one than ``params.max_model_len`` (or the
+    model's positions) is refused, and so is a model of other shapes (the first push fails, naming the server)."""
+    from rlpipe.backends.weights import export_buckets
+
+    if rank >= len(params.urls):
+        raise EngineError(f"rollout replica {rank} has no server: generate.params.server.urls names "
+                          f"{len(params.urls)}; give one address per replica")
+    server = AttachedVLLMServer(params.urls[rank], params, name=name)
+    served = ((server.request("GET", "/v1/models", timeout=30) or {}).get("data") or [{}])[0]
+    served_len = int(served.get("max_model_len") or 0)
+    _check_served_shapes(name, server.url, served.get("root"), model.config.to_dict())
+    wanted = params.max_model_len or int(model.config.max_position_embeddings)
+    if served_len and served_len < wanted:
+        raise EngineError(f"{name}: the vLLM server at {server.url} serves {served_len} tokens of context, "
+                          f"the pipeline needs {wanted}; start it with a longer --max-model-len or lower "
+                          "generate.params.server.max_model_len")
+    engine = VLLMEngine(server, specs, tokenizer.eos_token_id, min(wanted, served_len or wanted), version=version,
+                        max_concurrency=params.max_concurrency)
+    try:
+        engine.load_weights(export_buckets(model), version)
+    except EngineError as exc:
+        engine.close()
+        raise EngineError(f"{name}: the vLLM server at {server.url} did not take this pipeline's weights; does it "
+                          f"serve a model of the same shapes? ({exc})") from exc
+    return engine
+
+
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def _check_served_shapes(name: str, url: str, root: str | None, ours: Mapping[str, Any]) -> None:
+    """Refuse a server whose model (its ``config.json``, read from the folder it serves) has other shapes than
+    ``ours``, before any push: a push of wrong shapes would fail half-way inside the server."""
+    import json
+
+    try:
+        theirs = json.loads((Path(str(root)) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return  # not readable from here (another file system): the push's own checks are left
+    for key in _SHAPE_KEYS:
+        if key in ours and key in theirs and ours[key] != theirs[key]:
+            raise EngineError(f"{name}: the vLLM server at {url} serves a model with {key}={theirs[key]!r}, the "
+                              f"pipeline's has {ours[key]!r}; start it for this pipeline (rlpipe vllm-serve)")

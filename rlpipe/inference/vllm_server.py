@@ -1,4 +1,5 @@
-"""One vLLM OpenAI-compatible server process, started and owned by rlpipe (one per rollout replica).
+"""One vLLM OpenAI-compatible server process, started and owned by rlpipe (one per rollout replica),
+or one that already runs and rlpipe attaches to (``VLLMParams.urls``, :class:`AttachedVLLMServer`).
 
 rlpipe writes the policy (HF model + tokenizer, ``save_pretrained``) to a
 directory and starts vLLM's OpenAI-compatible server on it, on a free loopback
@@ -66,7 +67,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlpipe.inference.contract import EngineError
 
@@ -77,9 +78,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 class VLLMParams(BaseModel):
-    """Settings of the vLLM server rlpipe starts for a rollout replica."""
+    """Settings of the vLLM server rlpipe starts for a rollout replica (or of the one it attaches to)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    urls: list[str] = Field(default_factory=list)
+    """Attach to vLLM servers that already run instead of starting them: rollout replica r uses
+    ``urls[r]`` (e.g. ``http://127.0.0.1:8000``). Each must serve a model of the pipeline's shapes,
+    run on this machine (weights travel through ``/dev/shm``) and have been started with rlpipe's
+    flags and plugin (``rlpipe vllm-serve PIPELINE.yaml`` starts one). rlpipe pushes its initial
+    weights as version 0 on attach, resets the prefix cache, and leaves the server running at the end;
+    the server-flag fields below are then unused. Empty: rlpipe starts and owns one server a replica."""
 
     startup_timeout_s: float = Field(600.0, gt=0)
     """Seconds to wait for the server's /health after start (a cold start on 2 CPU cores takes 1-3 min)."""
@@ -105,6 +114,14 @@ class VLLMParams(BaseModel):
     """More command-line arguments for ``vllm serve``, appended as given."""
     extra_env: dict[str, str] = Field(default_factory=dict)
     """More environment variables for the server process (e.g. ``VLLM_LOGGING_LEVEL``)."""
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or url.rstrip("/").count("/") > 2:
+                raise ValueError(f"{url!r} is not a server address; write it as http://HOST:PORT")
+        return [url.rstrip("/") for url in urls]
 
 
 def vllm_python(params: VLLMParams) -> str:
@@ -145,14 +162,15 @@ def die_with_parent() -> None:
 class VLLMServer:
     """A running ``vllm serve`` serving ``model_dir`` on a loopback port."""
 
-    def __init__(self, model_dir: str | Path, workdir: str | Path, params: VLLMParams, name: str = "vllm"):
+    def __init__(self, model_dir: str | Path, workdir: str | Path, params: VLLMParams, name: str = "vllm",
+                 port: int | None = None):
         self.name = name
         self.params = params
         self.model_dir = Path(model_dir)
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"{name}-server.log"
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen | None = None
         self._start()
@@ -301,3 +319,52 @@ class VLLMServer:
             return json.loads(raw)
         except json.JSONDecodeError:
             return raw.decode(errors="replace")
+
+
+class AttachedVLLMServer(VLLMServer):
+    """A vLLM server that runs already (``VLLMParams.urls``): used, never started or stopped by rlpipe.
+
+    Its process is not ours, so liveness is what its HTTP answers say: a refused connection is an
+    EngineError naming the address. ``close()`` only forgets it."""
+
+    def __init__(self, url: str, params: VLLMParams, name: str = "vllm"):
+        self.name = name
+        self.params = params
+        self.url = url
+        self.log_path = f"(the log of the attached server at {url})"
+        self._attached = True
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.params.startup_timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                error = exc
+            if time.monotonic() >= deadline:
+                raise EngineError(f"{self.name}: the vLLM server at {self.url} (generate.params.server.urls) did "
+                                  f"not answer /health within {self.params.startup_timeout_s:.0f} s ({error}); "
+                                  "start it first (rlpipe vllm-serve) or fix the address")
+            time.sleep(0.5)
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    def check_alive(self) -> None:
+        """Nothing to poll: the process is not ours (a dead server fails the next request, naming the address)."""
+        if not self._attached:
+            raise EngineError(f"{self.name}: the engine let go of the vLLM server at {self.url}")
+
+    def _wait_exit(self, seconds: float) -> None:
+        return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "(an attached server's log is where it was started)"
+
+    def close(self) -> None:
+        """Let go of the server; it keeps running (it is not ours)."""
+        self._attached = False

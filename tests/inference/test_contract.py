@@ -3,7 +3,8 @@
 Each engine is built exactly as ``RolloutState`` builds it (``build_engine`` with the generate
 stage's params): ``embedded`` in-process, ``sglang`` = rlpipe's embedded engine behind SGLang's
 protocol in a child process, ``vllm`` = a real vLLM server (when the vLLM environment exists;
-``make setup`` makes it). One engine per module run: server cold starts are the slow part.
+``make setup`` makes it; the test run's shared server, tests/conftest.py, attached to). One engine
+per module run: server cold starts are the slow part.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import VLLM_ARCH, VLLM_CHARS
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
@@ -23,9 +25,9 @@ from rlpipe.inference.engines import EngineInputs, build_engine
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 from rlpipe.stage import stage_registry
 
-TOK = build_tokenizer(TokenizerConfig(chars="0123456789=+abc"))
-# head_dim 64: vLLM's CPU attention rejects smaller heads
-ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=32768)
+# the shared vLLM server's shapes (tests/conftest.py): head_dim 64, as vLLM's CPU attention needs
+TOK = build_tokenizer(TokenizerConfig(chars=VLLM_CHARS))
+ARCH = ArchitectureConfig(**VLLM_ARCH)
 ENGINES = ["embedded", "sglang", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
@@ -41,14 +43,10 @@ def requests(prefix: str, n: int = 6, max_tokens: int = 12, ignore_eos: bool = F
 @pytest.fixture(scope="module", params=ENGINES)
 def engine(request, tmp_path_factory):
     impl = request.param
-    if impl == "vllm":
-        from rlpipe.inference.vllm_server import VLLMParams, vllm_python
-
-        try:
-            vllm_python(VLLMParams())
-        except EngineError as exc:  # `make setup` makes vLLM's venv; CI has it
-            pytest.skip(str(exc))
     params = stage_registry("generate").get(impl).params_model()
+    if impl == "vllm":  # attach to the test run's server (skips where vLLM's venv is missing)
+        server = request.getfixturevalue("vllm_server")
+        params = params.model_copy(update={"server": params.server.model_copy(update={"urls": [server.url]})})
     workdir = str(tmp_path_factory.mktemp(f"engine-{impl}"))
     eng = build_engine(impl, EngineInputs(model(0), TOK, params, 0, workdir, name=f"test {impl}"))
     yield eng

@@ -1,7 +1,8 @@
-"""The vLLM rollout engine against a real vLLM 0.32 server (one server for the whole module).
+"""The vLLM rollout engine against a real vLLM 0.32 server.
 
-The server runs in .venv-vllm (``make setup``); its cold start is 40-60 s on 2 cores.
-Every test reuses it, and the test that kills it runs last.
+The tests attach to the test run's shared server (``vllm_server`` in tests/conftest.py, started once;
+its cold start is 40-60 s on 2 cores): the module's engine pushes its own weights on attach. The test
+that kills a server starts one of its own, as rlpipe does for a replica (``build_vllm_engine``).
 """
 
 import os
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import VLLM_ARCH, VLLM_CHARS
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
@@ -33,11 +35,10 @@ def _no_vllm() -> str | None:
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_no_vllm() is not None, reason=str(_no_vllm()))]
 
 TRAINER = {}  # "model": the HF model whose weights the server holds now
-TOK = build_tokenizer(TokenizerConfig(chars="abcdefgh 0123456789+="))
+TOK = build_tokenizer(TokenizerConfig(chars=VLLM_CHARS))
 PROMPTS = ["1+2=", "abc de", "9", "h 77 + 1 ="]
-# vLLM's CPU attention needs head_dim >= 32: 128 / 2 heads = 64.
-ARCH = ArchitectureConfig(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                          max_position_embeddings=2048)
+ARCH = ArchitectureConfig(**VLLM_ARCH)
+LONGEST = 2040  # the abort tests' longest responses: ~11 s of decoding on an idle box
 
 
 def model(seed):
@@ -45,12 +46,31 @@ def model(seed):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    eng = build_vllm_engine(model(0), TOK, VLLMParams(kv_cache_gb=0.25, startup_timeout_s=600), rank=0,
+def engine(vllm_server, tmp_path_factory):
+    eng = build_vllm_engine(model(0), TOK, VLLMParams(urls=[vllm_server.url]), rank=0,
                             workdir=tmp_path_factory.mktemp("vllm"))
     TRAINER["model"] = model(0)  # the weights the server holds, for forward recomputation
     yield eng
     eng.close()
+
+
+def test_attach_pushes_the_attaching_models_weights_and_close_leaves_the_server(vllm_server, tmp_path):
+    """An attached engine serves its own model's weights (not the server's initial ones) as version 0, and
+    closing it leaves the server running for the next client."""
+    mine = model(11)
+    eng = build_vllm_engine(mine, TOK, VLLMParams(urls=[vllm_server.url]), rank=0, workdir=tmp_path)
+    req = GenerationRequest("att", TOK.encode("1+2="), 8, SamplingParams(seed=3, ignore_eos=True))
+    [res] = eng.generate([req])
+    assert eng.version == 0 and (res.versions == 0).all()
+    np.testing.assert_allclose(res.logprobs, forward_logprobs(mine, req, res), atol=1e-4)
+    eng.close()
+    vllm_server.check_alive()
+    assert vllm_server.request("GET", "/health", timeout=10) is None
+    with pytest.raises(EngineError, match="no server.*urls"):
+        build_vllm_engine(mine, TOK, VLLMParams(urls=[vllm_server.url]), rank=1, workdir=tmp_path)
+    other = build_model(ModelConfig(architecture=ARCH.model_copy(update={"intermediate_size": 64})), TOK, 0)
+    with pytest.raises(EngineError, match="intermediate_size=128.*has 64"):
+        build_vllm_engine(other, TOK, VLLMParams(urls=[vllm_server.url]), rank=0, workdir=tmp_path)
 
 
 def requests(n=8, max_tokens=12, seed=7, prefix="r", **kw):
@@ -114,9 +134,11 @@ def test_generates_tokens_logprobs_versions_reproducibly(engine):
 
 
 def test_seeded_prompts_larger_than_one_scheduler_step(engine):
-    """3 x 1200 prompt tokens exceed a step's token budget (2048): with chunked prefill, vLLM 0.32
+    """3 prompts exceed a step's token budget (--max-num-batched-tokens): with chunked prefill, vLLM 0.32
     on CPU would rewind a seeded generator it cannot rewind and its engine core would die."""
-    long = [GenerationRequest(f"big{i}", TOK.encode("0123456789 abcdefgh+="[i:] * 60)[:1200], 4,
+    budget = max(ARCH.max_position_embeddings, 2048)  # the server's --max-num-batched-tokens
+    size = budget // 3 + 100
+    long = [GenerationRequest(f"big{i}", TOK.encode("0123456789 abcdefgh+="[i:] * (size // 20 + 1))[:size], 4,
                               SamplingParams(seed=i)) for i in range(3)]
     results = engine.generate(long)
     assert all(1 <= len(r.response_ids) <= 4 for r in results)
@@ -151,7 +173,7 @@ def test_abort_then_resume_across_a_push_carries_both_versions(engine):
     # metrics, the streams and the abort) starves while its engine core decodes on. So the abort goes out as soon
     # as the server runs all four requests (no wait for tokens), and a try in which a request ended before it
     # proves nothing and is repeated with fresh requests, at most four times.
-    longest = ARCH.max_position_embeddings - max(len(TOK.encode(p)) for p in PROMPTS) - 8
+    longest = LONGEST
     for attempt in range(4):
         v = engine.version
         reqs = requests(n=4, max_tokens=longest, ignore_eos=True, prefix=f"long{attempt}-")
@@ -268,10 +290,12 @@ def test_stop_token_ids_end_a_response_like_eos(engine):
     assert len(cut[victim].response_ids) <= 3
 
 
-def test_a_killed_server_is_reported_and_close_leaves_no_process(engine):
-    """Runs last: it kills the module's server."""
+def test_a_killed_server_is_reported_and_close_leaves_no_process(tmp_path):
+    """On a server of its own, started as rlpipe starts one for a replica."""
     import psutil
 
+    engine = build_vllm_engine(model(0), TOK, VLLMParams(kv_cache_gb=0.25, max_model_len=2048), rank=0,
+                               workdir=tmp_path)
     server = psutil.Process(engine.server.pid)
     family = [server, *server.children(recursive=True)]
     assert len(family) >= 2  # API server + engine core (+ worker)
