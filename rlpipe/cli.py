@@ -163,6 +163,7 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
     from rlpipe.backends.model import build_model, save_hf_model
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.engine.planning.config_io import load_pipeline
+    from rlpipe.inference.vllm_engine import with_context_length
     from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
 
     config, _ = load_pipeline(path, overrides)
@@ -173,8 +174,7 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
     params = VLLMParams(**{**node.params.get("server", {}), "urls": []})
     tokenizer = build_tokenizer(config.tokenizer)
     model = build_model(config.model, tokenizer, config.seed)
-    if params.max_model_len is None:
-        params = params.model_copy(update={"max_model_len": int(model.config.max_position_embeddings)})
+    params = with_context_length(params, model)
     root = Path(config.trainer.output_dir) / config.name / "vllm-serve"
     server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name=f"{config.name}-vllm",
                         port=port)

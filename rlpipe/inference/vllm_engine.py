@@ -75,6 +75,7 @@ worker still polls its queue (about a fifth of a core).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -421,9 +422,8 @@ def build_vllm_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         return _attach(model, tokenizer, params, rank, name, specs, version)
     root = Path(workdir) / name
     model_dir = save_hf_model(model, tokenizer, root / "model")
-    max_len = params.max_model_len or int(model.config.max_position_embeddings)
-    if params.max_model_len is None:
-        params = params.model_copy(update={"max_model_len": max_len})
+    params = with_context_length(params, model)
+    max_len = params.max_model_len
     server = VLLMServer(model_dir, root, params, name=name)
     try:
         return VLLMEngine(server, specs, tokenizer.eos_token_id, max_len, version=version,
@@ -433,12 +433,20 @@ def build_vllm_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
         raise
 
 
+def with_context_length(params: VLLMParams, model: PreTrainedModel) -> VLLMParams:
+    """``params`` with ``max_model_len`` set: as given, else the model's ``max_position_embeddings``."""
+    if params.max_model_len is not None:
+        return params
+    return params.model_copy(update={"max_model_len": int(model.config.max_position_embeddings)})
+
+
 def _attach(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, params: VLLMParams, rank: int, name: str,
             specs: Mapping[str, _ParamSpec], version: int) -> VLLMEngine:
     """An engine on the running server ``params.urls[rank]``, holding ``model``'s weights as ``version``.
 
     The server's context length is read from ``/v1/models``; a shorter one than ``params.max_model_len`` (or the
-    model's positions) is refused, and so is a model of other shapes (the first push fails, naming the server)."""
+    model's positions) is refused, and so is a model of other shapes (its ``config.json``, before any push; where
+    that file cannot be read, the push fails, naming the server)."""
     from rlpipe.backends.weights import export_buckets
 
     if rank >= len(params.urls):
@@ -448,7 +456,7 @@ def _attach(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, params: 
     served = ((server.request("GET", "/v1/models", timeout=30) or {}).get("data") or [{}])[0]
     served_len = int(served.get("max_model_len") or 0)
     _check_served_shapes(name, server.url, served.get("root"), model.config.to_dict())
-    wanted = params.max_model_len or int(model.config.max_position_embeddings)
+    wanted = with_context_length(params, model).max_model_len
     if served_len and served_len < wanted:
         raise EngineError(f"{name}: the vLLM server at {server.url} serves {served_len} tokens of context, "
                           f"the pipeline needs {wanted}; start it with a longer --max-model-len or lower "
@@ -471,8 +479,6 @@ _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "
 def _check_served_shapes(name: str, url: str, root: str | None, ours: Mapping[str, Any]) -> None:
     """Refuse a server whose model (its ``config.json``, read from the folder it serves) has other shapes than
     ``ours``, before any push: a push of wrong shapes would fail half-way inside the server."""
-    import json
-
     try:
         theirs = json.loads((Path(str(root)) / "config.json").read_text())
     except (OSError, ValueError, TypeError):

@@ -227,16 +227,22 @@ class VLLMServer:
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.params.startup_timeout_s
+        last: Exception | str = "no answer"
         while time.monotonic() < deadline:
             self.check_alive()
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
                     if resp.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+                    last = f"HTTP {resp.status}"
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+                last = exc
             time.sleep(0.5)
-        raise EngineError(
+        raise self._not_healthy(last)
+
+    def _not_healthy(self, last: Exception | str) -> EngineError:
+        """The error of a server that did not answer /health in time (``last``: its last answer or failure)."""
+        return EngineError(
             f"{self.name}: the vLLM server did not answer /health within {self.params.startup_timeout_s:.0f} s; "
             f"raise vllm.startup_timeout_s or read its log {self.log_path}:\n{self.log_tail()}"
         )
@@ -335,20 +341,10 @@ class AttachedVLLMServer(VLLMServer):
         self._attached = True
         self._wait_healthy()
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.params.startup_timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-                error = exc
-            if time.monotonic() >= deadline:
-                raise EngineError(f"{self.name}: the vLLM server at {self.url} (generate.params.server.urls) did "
-                                  f"not answer /health within {self.params.startup_timeout_s:.0f} s ({error}); "
-                                  "start it first (rlpipe vllm-serve) or fix the address")
-            time.sleep(0.5)
+    def _not_healthy(self, last: Exception | str) -> EngineError:
+        return EngineError(f"{self.name}: the vLLM server at {self.url} (generate.params.server.urls) did not "
+                           f"answer /health within {self.params.startup_timeout_s:.0f} s ({last}); start it first "
+                           "(rlpipe vllm-serve) or fix the address")
 
     @property
     def pid(self) -> int | None:

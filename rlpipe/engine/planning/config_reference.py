@@ -64,8 +64,10 @@ def render_reference() -> str:
              "(`stages[]` is an item of the `stages` list). A model met again refers to its first table.\n"]
     parts += _model_sections(PipelineConfig, "", 3, seen)
     parts += _stage_sections(seen)
-    parts += _mode_sections(seen)
-    parts += _dataset_sections(seen)
+    parts += _named_part_sections("Modes", "mode", "mode_params", "mode", lambda mode: mode.Params,
+                                  lambda mode: mode.__dict__.get("__doc__"), seen)
+    parts += _named_part_sections("Datasets", "data.source", "data.params", "dataset", lambda spec: spec.params_model,
+                                  lambda spec: getattr(spec.fn, "__doc__", None), seen)
     parts += _other_registries()
     return "\n".join(parts).rstrip() + "\n"
 
@@ -235,21 +237,13 @@ def _stage_sections(seen: dict[type[BaseModel], str]) -> list[str]:
     return out
 
 
-def _mode_sections(seen: dict[type[BaseModel], str]) -> list[str]:
-    out = ["## Modes\n", "`mode:` names one of these; `mode_params:` is validated by its params model.\n"]
-    for name, mode in registry("mode").items():
-        if _builtin(mode):
-            out += _part_section(f"`mode: {name}`", mode.Params, "mode_params", 3, seen,
-                                 doc=mode.__dict__.get("__doc__"))
-    return out
-
-
-def _dataset_sections(seen: dict[type[BaseModel], str]) -> list[str]:
-    out = ["## Datasets\n", "`data.source:` names one of these; `data.params:` is validated by its params model.\n"]
-    for name, spec in registry("dataset").items():
-        if _builtin(spec):
-            out += _part_section(f"`data.source: {name}`", spec.params_model, "data.params", 3, seen,
-                                 doc=getattr(spec.fn, "__doc__", None))
+def _named_part_sections(title: str, key: str, params_key: str, kind: str, params_of, doc_of,
+                         seen: dict[type[BaseModel], str]) -> list[str]:
+    """A registry whose part a top-level key names (``mode``, ``data.source``), each with its params model."""
+    out = [f"## {title}\n", f"`{key}:` names one of these; `{params_key}:` is validated by its params model.\n"]
+    for name, part in registry(kind).items():
+        if _builtin(part):
+            out += _part_section(f"`{key}: {name}`", params_of(part), params_key, 3, seen, doc=doc_of(part))
     return out
 
 
