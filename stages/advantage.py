@@ -135,8 +135,11 @@ def _make_impl(name: str, est: Estimator):
         return StageResult(columns=columns, metrics={f"advantage/{k}": v for k, v in metrics.items()}, carry=carry)
 
     run.__name__ = run.__qualname__ = f"advantage_{name}"
+    # Its fields and their docstrings come from the two bases; reading docstrings again would make pydantic search
+    # every loaded module for this class's source (inspect.getmodule), in every process that imports the builtins.
     params = type(f"{name.title().replace('_', '')}AdvantageParams", (est.params, AdvantageStageParams), {
         "__doc__": f"Params of the `{name}` advantage estimator.", "__module__": __name__,
+        "model_config": {**AdvantageStageParams.model_config, "use_attribute_docstrings": False},
     })  # fmt: skip
     check = _needs_groups(name) if est.grouped else None
     stage("advantage", name, reads=_reads(est), writes=cols(ADVANTAGES, RETURNS), params=params, check=check)(run)

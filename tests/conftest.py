@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,67 @@ def eval_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# `make test-fast` (RLPIPE_TEST_TIER=fast) runs what needs no Ray, no vLLM server and no `rlpipe run` subprocess:
+# it deselects the markers below, and a test that starts Ray or vLLM anyway fails saying which marker it needs.
+FAST_TIER = os.environ.get("RLPIPE_TEST_TIER") == "fast"
+_MARKED_BY_FIXTURE = {"ray_session": "e2e", "sync_run": "e2e", "vllm_server": "vllm"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a shared Ray or vLLM fixture carries that fixture's marker (so -m selects it)."""
+    for item in items:
+        for fixture, marker in _MARKED_BY_FIXTURE.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
+
+# Session fixtures too costly to build once per xdist worker (`make test` runs two), by the group whose files run on
+# one worker. Ray is not among them: each worker's own local Ray costs seconds, and one worker for every Ray test
+# would serialize a third of the suite.
+_SHARED_ACROSS_FILES = {"vllm_server": "vllm", "mark.vllm": "vllm", "sync_run": "sync_run", "inline_run": "inline_run",
+                        "scripted_model": "agents", "chat_model": "agents"}
+
+
+@functools.cache
+def xdist_group(path: str) -> str:
+    """The worker group of a test file: the shared fixture it names (in its text), else the file itself (so its
+    module fixtures are built once)."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    return next((group for name, group in _SHARED_ACROSS_FILES.items() if re.search(rf"\b{re.escape(name)}\b", text)),
+                path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups (see xdist_group) to a worker. xdist's own --dist loadgroup does not group under pytest 9 (its
+    worker sets ``item._nodeid``, which pytest 9's ``nodeid`` no longer reads), so the grouping is done here, on
+    the controller, which sees only node ids."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid.split("::", 1)[0])
+
+    return SharedFixtureScheduling(config, log)
+
+
+def _not_in_the_fast_tier(what: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"this test {what}, which the fast tier (make test-fast) does not: mark it "
+                           "@pytest.mark.e2e (Ray), @pytest.mark.vllm (a vLLM server) or @pytest.mark.slow")
+    return refuse
+
+
+@pytest.fixture(autouse=FAST_TIER)
+def fast_tier_guard(monkeypatch):
+    """In the fast tier, starting Ray or a vLLM server fails the test (it belongs to `make test`)."""
+    import ray
+
+    from rlpipe.inference.vllm_server import VLLMServer
+
+    monkeypatch.setattr(ray, "init", _not_in_the_fast_tier("starts Ray"))
+    monkeypatch.setattr(VLLMServer, "_start", _not_in_the_fast_tier("starts a vLLM server"))
 
 
 @pytest.fixture(scope="session")

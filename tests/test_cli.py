@@ -82,6 +82,7 @@ def test_the_update_stage_shows_its_param_defaults(stages_output):
         assert text in section
 
 
+@pytest.mark.slow
 def test_builtins_register_every_shipped_stage_module():
     """A fresh process (what `rlpipe stages` and `rlpipe validate` see) knows every impl the stage modules define."""
     script = (

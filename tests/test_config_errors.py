@@ -43,6 +43,8 @@ CASES = {
     "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl: not UTF-8 text \(near line 1\); convert the file to UTF-8"),
     "too_long_for_positions.yaml": (ConfigError, r"data\.max_prompt_length \(64\) \+ stages\[generate\]\.params\.max_tokens "
                                                  r"\(8\) = 72 exceeds the model's 32 positions"),
+    "urls_not_one_per_replica.yaml": (ConfigError, r"stages\[generate\]\.params\.server\.urls names 1 server\(s\) "
+                                                  r"for resources\.rollout_replicas=2; give one address per rollout replica"),
     "grpo_with_one_sample.yaml": (ConfigError, r"advantage 'grpo' compares each sample with the other samples of its "
                                                r"prompt, but stages\[generate\]\.params\.n is 1: set it to 2 or more"),
 }
@@ -86,6 +88,7 @@ def test_overrides_address_nested_fields_and_stages_by_name():
         apply_override(raw, "trainer.total_steps")
 
 
+@pytest.mark.slow
 def test_validate_never_starts_ray():
     """issue 14 part 4: every check above runs without Ray (it is not even imported)."""
     import subprocess

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlpipe.progress import BarReporter, LogReporter, RunEnd, reporter, step_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_progress_lines_when_stderr_is_a_file(tmp_path):
     err, out = tmp_path / "stderr.log", tmp_path / "stdout.log"
     cmd = [sys.executable, "-m", "rlpipe.cli", "run", str(ROOT / "pipelines" / "quickstart.yaml"), "--inline",

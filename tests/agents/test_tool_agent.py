@@ -184,6 +184,7 @@ def test_generate_stage_and_rollout_service_emit_the_same_agent_rows(tok, script
     assert isinstance(agent, AgentEngine)
 
 
+@pytest.mark.slow
 def test_scripted_episode_over_the_sglang_protocol_engine(tok, scripted_model, tmp_path):
     """The agent drives any RolloutEngine through submit/step: here rlpipe's SGLang-protocol client talking to
     the embedded engine served over HTTP in a child process; the episode is token for token the same."""

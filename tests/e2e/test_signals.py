@@ -1,5 +1,8 @@
 """SIGINT/SIGTERM during `rlpipe run` (issue 14 part 4): one line, no traceback, exit 130/143, the MLflow run
-KILLED, every process the run started gone."""
+KILLED, every process the run started gone.
+
+SIGTERM (what schedulers send) stops a run on Ray (its workers and Ray's own processes must go); SIGINT stops an
+`--inline` run (the same handler, without Ray's start: its tracking process must go)."""
 
 from __future__ import annotations
 
@@ -45,15 +48,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_stops_the_run_cleanly(sig, tmp_path):
+@pytest.mark.parametrize(("sig", "where"), [(signal.SIGINT, ["--inline"]), (signal.SIGTERM, [])],
+                         ids=["SIGINT-inline", "SIGTERM-ray"])
+def test_a_signal_stops_the_run_cleanly(sig, where, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "MLFLOW_DISABLE_TELEMETRY": "true"}
     proc = subprocess.Popen(
         [str(Path(sys.executable).with_name("rlpipe")), "run", str(ROOT / "pipelines" / "quickstart.yaml"),
          "-o", "trainer.total_steps=100000", "-o", "data.prompts_per_step=2", "-o", "resources.num_cpus=2",
          "-o", f"trainer.output_dir={tmp_path / 'out'}", "-o", f"tracking.uri={uri}",
-         "-o", "tracking.experiment=signals"],
+         "-o", "tracking.experiment=signals", *where],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -69,7 +73,7 @@ def test_a_signal_stops_the_run_cleanly(sig, tmp_path):
             time.sleep(1)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         started = _descendants(proc.pid)
-        assert started, "the run started no processes (Ray)?"
+        assert started, "the run started no processes (Ray, the tracking process)?"
         os.kill(proc.pid, sig)
         _, stderr = proc.communicate(timeout=120)
     finally:

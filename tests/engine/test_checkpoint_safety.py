@@ -115,6 +115,7 @@ def test_a_changed_config_of_the_same_pipeline_resumes_with_a_warning(copy, tmp_
     assert any("changed config of pipeline 'quickstart' (changed: trainer" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_refused_resume_leaves_the_original_mlflow_run_as_it_was(tmp_path):
     import mlflow
 

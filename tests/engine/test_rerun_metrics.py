@@ -13,6 +13,8 @@ from rlpipe.engine.tracking import runs
 
 from conftest import quickstart_raw
 
+pytestmark = pytest.mark.slow  # whole tracked runs, resumed: make test, not test-fast
+
 ROWS_PER_STEP = 4  # 2 prompts × n=2
 
 

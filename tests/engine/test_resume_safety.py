@@ -16,6 +16,8 @@ from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # whole tracked runs, resumed: make test, not test-fast
+
 
 def config(out: Path, steps: int, uri: str | None):
     tracking = {"uri": uri, "experiment": "resume-safety", "sample_trajectories": 2} if uri else {"enabled": False}

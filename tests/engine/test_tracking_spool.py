@@ -122,12 +122,20 @@ def test_a_vanished_tracking_server_does_not_hang_the_run_and_the_spool_replays_
     steps = 4
     raw = quickstart_raw(name="vanishing", data={"prompts_per_step": 2},
                          trainer={"total_steps": steps, "output_dir": str(tmp_path / "out")},
-                         tracking={"uri": uri, "experiment": "vanishing", "drain_timeout_s": 5})
+                         tracking={"uri": uri, "experiment": "vanishing", "drain_timeout_s": 5,
+                                   "metrics_every_s": 0})  # each step's metrics leave at its end
     raw["stages"][0]["params"] = {**raw["stages"][0]["params"], "n": 2}
 
     def kill_server_after_step_0(step, metrics):
-        if step == 0:
-            time.sleep(2)  # let step 0's records reach the server
+        if step == 0:  # once step 0's records are on the server (the background observer sends them)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if len(runs.metric_history(runs.latest_run(uri, "vanishing").info.run_id, "step", uri)):
+                        break
+                except Exception:  # noqa: BLE001 - the run is not in the store yet
+                    pass
+                time.sleep(0.2)
             _stop_server(server)
 
     try:

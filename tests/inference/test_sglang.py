@@ -241,6 +241,7 @@ def test_the_rollout_service_drives_the_client_through_a_push(served):
     assert any(0 in v and 1 in v for v in table.column("token_versions").to_pylist())
 
 
+@pytest.mark.slow
 def test_launched_server_generates_then_dies_loudly_and_leaves_no_process(model_dir, tmp_path):
     params = SGLangParams(model_path=model_dir, log_dir=str(tmp_path), startup_timeout_s=120,
                           control_timeout_s=5, launch_args=["--num-threads", "1"])

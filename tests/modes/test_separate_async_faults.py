@@ -33,6 +33,7 @@ def _raw(tmp_path, steps: int, mode_params: dict | None = None, reward: dict | N
     return raw
 
 
+@pytest.mark.slow
 def test_a_hung_feeder_fails_the_run_with_the_replicas_state(tmp_path, hanging_scorer):
     raw = _raw(tmp_path, steps=3, mode_params={"stall_timeout_s": 3},
                reward={"routes": {"digits": hanging_scorer}, "scorer_timeout_s": None}, timeout_s=None)

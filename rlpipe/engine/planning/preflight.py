@@ -9,6 +9,8 @@ traceback minutes into a run:
   (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`);
 * ``data.max_prompt_length + generate max_tokens`` fits the model's positions
   (``model.architecture.max_position_embeddings``, or ``config.json`` of ``model.path``);
+* a generate stage attached to running servers (``params.server.urls``) names one per rollout
+  replica (``resources.rollout_replicas``);
 * per-node checks a stage registers (``StageSpec.check``, e.g. group estimators need
   ``n ≥ 2``).
 """
@@ -32,6 +34,17 @@ def check_config(config) -> None:
 def check_plan(config, plan) -> None:
     """Checks that need the planned nodes."""
     check_positions(config, plan)
+    check_server_urls(config, plan)
+
+
+def check_server_urls(config, plan) -> None:
+    generate = plan.node("generate")
+    urls = getattr(getattr(generate.params, "server", None), "urls", None) if generate else None
+    replicas = config.resources.rollout_replicas
+    if urls and len(urls) != replicas:
+        raise ConfigError(
+            f"stages[{generate.name}].params.server.urls names {len(urls)} server(s) for "
+            f"resources.rollout_replicas={replicas}; give one address per rollout replica")
 
 
 def check_output_dir(output_dir: str) -> None:
