@@ -1,7 +1,7 @@
 """Async modes vs sync on a long-tail rollout workload.
 
 Run: .venv/bin/python benchmarks/async_modes.py [--steps 12] [--repeats 3] [--workload lengths|env_latency]
-Writes benchmarks/results/async_modes.json and prints a Markdown table (copied into README).
+Writes benchmarks/results/async_modes.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 Workloads: the quickstart model and task, but every request's response length is
 drawn from a heavy-tailed (Pareto) distribution and generated to that length

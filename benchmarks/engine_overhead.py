@@ -1,7 +1,7 @@
 """Engine overhead: the step DAG on Ray vs the same stages called inline, and batch handoff cost.
 
 Run: .venv/bin/python benchmarks/engine_overhead.py [--steps 12] [--repeats 3]
-Writes benchmarks/results/engine_overhead.json and prints a Markdown table (copied into README).
+Writes benchmarks/results/engine_overhead.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 1. Step time of the quickstart pipeline (tracking off) with every stage in this
    process (InlineBackend) vs on Ray (tasks + actors, Arrow through the object

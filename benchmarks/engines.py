@@ -1,7 +1,7 @@
 """Rollout engines compared through the engine contract: generation tokens/s and weight-push MB/s.
 
 Run: .venv/bin/python benchmarks/engines.py [--engines embedded,vllm,sglang] [--sizes quickstart,50m]
-Writes benchmarks/results/engines.json and prints a Markdown table (copied into README).
+Writes benchmarks/results/engines.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 Every engine is built exactly as a rollout replica builds it (``build_engine`` with the
 generate stage's params), so the numbers include what a run pays: HTTP and the server

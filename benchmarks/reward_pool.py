@@ -1,7 +1,7 @@
 """Reward pool vs inline scoring in separate_async, with a slow grader.
 
 Run: .venv/bin/python benchmarks/reward_pool.py [--steps 8] [--warmup 2] [--latency 0.2]
-Writes benchmarks/results/reward_pool.json and prints a Markdown table (copied into README).
+Writes benchmarks/results/reward_pool.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 The grader is the same Python function in both variants (a custom reward function,
 :mod:`rlpipe.stages.reward_function`, that sleeps ``--latency`` seconds once per

@@ -2,7 +2,7 @@
 
 Run: make bench-trl   (builds .venv-trl with TRL, then runs this file with .venv's python)
      .venv/bin/python benchmarks/vs_trl.py --repeats 3 --steps 50
-Writes benchmarks/results/vs_trl.json and prints a Markdown table (copied into README).
+Writes benchmarks/results/vs_trl.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 The task (issue 12): a 125k-parameter Qwen2 made from config (hidden 64, 2 layers, 4 query /
 2 key-value heads, MLP 256, tied embeddings, fp32, random init with one seed, saved once and

@@ -60,9 +60,11 @@ from rlpipe.stages.scorers import (
 
 log = logging.getLogger(__name__)
 
-STARTUP_S = 1.0
-"""Wall-clock seconds allowed on top of ``timeout_s`` for starting the interpreter (on a loaded
-machine `python -I` under `unshare` alone can take a few hundred ms)."""
+STARTUP_S = 5.0
+"""Wall-clock seconds allowed on top of ``timeout_s`` for starting the interpreter and the harness. A
+sandbox that is killed before its harness said "ready" is an infrastructure failure of its row, and on
+a loaded node (a reward pool's other sandboxes, a rollout engine on the same cores) the start alone has
+taken over 1.5 s; the allowance costs only solutions that hang, which hold their sandbox that much longer."""
 MAX_SPEC_CHARS = 100_000
 """The solution and tests travel compressed in the sandbox's command line (one argument may hold
 128 KiB on Linux); a row whose spec is longer scores 0 with a warning."""

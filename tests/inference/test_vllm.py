@@ -247,8 +247,9 @@ def test_the_rollout_service_drives_the_engine_across_a_push(engine):
     new = model(4)
     buckets = export_buckets(new)
     # On a starved machine every request can still end before the push arrives (seen once in three runs with two
-    # busy-loop processes on the 2 cores): then the push is not mid-generation and proves nothing, so it is tried
-    # again with fresh requests, at most three times; what is checked below holds for the try that aborted
+    # busy-loop processes on the 2 cores), or the aborted ones can be only those still waiting, with no token yet
+    # (seen under three test workers): then the push is not mid-generation and proves nothing, so it is tried
+    # again with fresh requests, at most three times; what is checked below holds for the try that cut a response
     for _ in range(3):
         v = engine.version
         svc = RolloutService(engine, TOK)
@@ -263,11 +264,11 @@ def test_the_rollout_service_drives_the_engine_across_a_push(engine):
             table = svc.collect(min_groups=len(PROMPTS), timeout=120)
         finally:
             svc.shutdown()
-        if aborted:
+        versions = table.column("token_versions").to_pylist()
+        if aborted and any(0 < row.count(v) < 1500 for row in versions):
             break
     assert aborted > 0, "in three tries every request ended before the push arrived: nothing was aborted"
     assert table.num_rows == 2 * len(PROMPTS) and engine.version == v + 1
-    versions = table.column("token_versions").to_pylist()
     for row in versions:
         k = row.count(v)
         assert len(row) == 1500 and row == [v] * k + [v + 1] * (1500 - k)

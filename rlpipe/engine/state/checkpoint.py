@@ -108,7 +108,8 @@ def _check_visible(role: str, files: list[str]) -> None:
             f"the {role} workers wrote {missing[0]} (and {len(missing) - 1} more) on a node whose files this "
             "driver does not see, so the checkpoint would be incomplete: on a cluster whose nodes do not share "
             "trainer.output_dir set resources.shared_filesystem: false (the files then come to the driver through "
-            "the object store), or put trainer.output_dir on storage every node mounts; see README, 'Multi-node'"
+            "the object store), or put trainer.output_dir on storage every node mounts; see "
+            "docs/trainers-and-multinode.md, 'Multi-node'"
         )
 
 
