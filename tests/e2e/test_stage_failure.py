@@ -86,7 +86,10 @@ def test_failure_names_the_stage_and_keeps_what_was_produced(ray_session, tmp_pa
     assert "transport to the rollout engine lost" in last.attributes["rlpipe.error"]
 
 
-def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(ray_session, tmp_path):
+@pytest.mark.slow
+def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(tmp_path):
+    """In process: what is checked here is the tracking side of resume (one MLflow run, lineage replaced);
+    resume on Ray equals the uninterrupted run in tests/engine/test_checkpoint.py."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     raw = quickstart_raw(
         name="e2e-resume", data={"prompts_per_step": 4},
@@ -97,11 +100,11 @@ def test_a_failed_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(ray_ses
         {**s, "impl": "breaks_at_step_1"} if s["kind"] == "weight_sync" else s for s in raw["stages"]
     ])
     with pytest.raises(StageError):
-        run_pipeline(validate_config(broken), "name: e2e-resume\n")
+        run_pipeline(validate_config(broken), "name: e2e-resume\n", inline=True)
     run_id = runs.latest_run(uri, "rlpipe-resume").info.run_id
     checkpoint = next((tmp_path / "out").glob("e2e-resume-*/checkpoints/step_1"))
 
-    result = run_pipeline(validate_config(raw), "name: e2e-resume\n", resume_from=str(checkpoint))
+    result = run_pipeline(validate_config(raw), "name: e2e-resume\n", resume_from=str(checkpoint), inline=True)
     assert result.run_id == run_id
     client = MlflowClient(uri)
     assert client.get_run(run_id).info.status == "FINISHED"
