@@ -52,6 +52,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, inline, request):
     if inline:
         straight = Recorder()
         references.append((straight, run_pipeline(_config(tmp_path / "a", 4), "", observer=straight, inline=True)))
+    resumed_weights = _final_weights(resumed_result)
     for reference, reference_result in references:
         for step in (2, 3):
             for column in ("uid", "response_ids", "reward", "advantages", "old_logprobs", "token_versions"):
@@ -59,8 +60,8 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, inline, request):
                 assert resumed.batches[step].column(column).equals(expected), (step, column)
             assert resumed.metrics[step]["actor/grad_norm"] == pytest.approx(reference.metrics[step]["actor/grad_norm"])
             assert resumed.metrics[step]["policy_version"] == reference.metrics[step]["policy_version"]
-        a, b = _final_weights(reference_result), _final_weights(resumed_result)
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        expected_weights = _final_weights(reference_result)
+        assert all(torch.equal(expected_weights[k], resumed_weights[k]) for k in expected_weights)
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint_says_what_to_pass(tmp_path):
