@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 # Session fixtures too costly to build once per xdist worker (`make test` runs three), by the group whose files run on
 # one worker. Ray is not among them: each worker's own local Ray costs seconds, and one worker for every Ray test
 # would serialize a third of the suite.
-_SHARED_ACROSS_FILES = {"vllm_server": "vllm", "mark.vllm": "vllm", "sync_run": "sync_run", "inline_run": "inline_run",
+_SHARED_ACROSS_FILES = {"vllm_server": "vllm", "sync_run": "sync_run", "inline_run": "inline_run",
                         "scripted_model": "agents", "chat_model": "agents"}
 
 

@@ -14,9 +14,10 @@ from rlpipe.errors import ConfigError
 
 
 
-def _config(tmp_path: Path, steps: int, **trainer):
+def _config(tmp_path: Path, steps: int, shared_filesystem: bool | None = None, **trainer):
     raw = quickstart_raw(data={"prompts_per_step": 4},
                          trainer={"total_steps": steps, "output_dir": str(tmp_path), **trainer})
+    raw["resources"] = {"shared_filesystem": shared_filesystem}
     raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
     raw["stages"].insert(4, {"kind": "ref", "impl": "reference"})
     raw["stages"][-2]["params"] = {**raw["stages"][-2]["params"], "use_kl_loss": True}
@@ -35,17 +36,21 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, inline, request):
     """The run that wrote the step-2 checkpoint went on, uninterrupted, to step 4: the resumed run equals it.
     In process a third run, with no checkpoints, equals both (writing checkpoints changes nothing). On Ray that
     third run is left out: a checkpoint-free Ray sync run (whose next step's generation starts before the driver
-    ends the step) equals the in-process run node by node, checked in tests/engine/test_worker_chains.py."""
+    ends the step) equals the in-process run node by node, checked in tests/engine/test_worker_chains.py.
+    On Ray both runs set resources.shared_filesystem: false, as a cluster without shared storage does: the
+    trainer's checkpoint files reach the driver, and the resumed trainer, through the object store."""
     if not inline:
         request.getfixturevalue("ray_session")
+    shared = None if inline else False
     first = Recorder()
-    first_result = run_pipeline(_config(tmp_path / "b", 4, checkpoint_every=2), "", observer=first, inline=inline)
+    first_result = run_pipeline(_config(tmp_path / "b", 4, shared, checkpoint_every=2), "", observer=first,
+                                inline=inline)
     checkpoint = Path(first_result.output_dir) / "checkpoints" / "step_2"
     assert (checkpoint / "manifest.json").is_file() and (checkpoint / "actor_rank0.safetensors").is_file()
     assert not list(checkpoint.glob("*.pkl")) and not list(checkpoint.glob("*.pt"))
 
     resumed = Recorder()
-    resumed_result = run_pipeline(_config(tmp_path / "c", 4), "", observer=resumed, inline=inline,
+    resumed_result = run_pipeline(_config(tmp_path / "c", 4, shared), "", observer=resumed, inline=inline,
                                   resume_from=str(checkpoint))
     assert sorted(resumed.batches) == [2, 3]
     references = [(first, first_result)]

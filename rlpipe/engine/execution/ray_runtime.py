@@ -54,8 +54,12 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # "local": start a Ray of our own; with no address, ray.init joins whatever Ray instance
         # another process last started on this machine (/tmp/ray/ray_current_cluster)
+        # No prestarted workers: by default Ray starts one idle worker per CPU when the driver connects. rlpipe's
+        # actors never take them (each gets a fresh process), so they only compete with the actors' start-up for
+        # the cores and hold memory; a stage task's worker spends far longer importing the stages than starting
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=True)
+                 log_to_driver=True,
+                 _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
     interrupt.keep_over_ray(ours)  # ray.init replaces the SIGTERM handler of `rlpipe run` with sys.exit
     register_arrow_ipc()
 
