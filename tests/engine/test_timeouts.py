@@ -90,10 +90,10 @@ def _ray_raw(tmp_path, **reward_node) -> dict:
 def test_a_hung_task_stage_fails_the_run_at_its_deadline_naming_where_it_ran(ray_session, tmp_path, in_workers, where):
     raw = _ray_raw(tmp_path, timeout_s=3.0, params={"scorer_timeout_s": None})
     raw["resources"] = {"task_stages_in_workers": in_workers}
-    start = time.monotonic()
+    # No wall-clock bound here: it would time the actors' start-up under load too. Without the deadline the
+    # sandboxes' 20 s sleeps end inside their 30 s limit and the run finishes, so the error itself is the proof.
     with pytest.raises(StageError) as caught:
         run_pipeline(validate_config(raw), "", observer=Recorder())
-    assert time.monotonic() - start < 120
     err = caught.value
     assert (err.kind, err.impl, err.step) == ("reward", "rule", 0)
     assert f"node 'reward' timed out: no result after timeout_s=3 s on {where}" in str(err)
