@@ -228,14 +228,17 @@ def test_the_rollout_service_drives_the_client_through_a_push(served):
     svc = RolloutService(client, TOK)
     try:
         svc.submit(prompt_table(TOK, PROMPTS, 3, "p"), GenerateParams(n=2, max_tokens=200, ignore_eos=True), 11)
-        time.sleep(0.1)
+        deadline = time.monotonic() + 60  # the push must find all eight in flight (the service submits on its thread)
+        while client.num_running() < 8:
+            assert time.monotonic() < deadline, f"{client.num_running()} of 8 requests sent in 60 s"
+            time.sleep(0.005)
         svc.push_weights(export_buckets(model(1)), version=1)
         table = svc.collect(min_groups=4, timeout=30)
         stats = svc.stats()
     finally:
         svc.shutdown()
     assert table.num_rows == 8 and client.version == 1
-    assert stats["requests_aborted"] == stats["requests_resumed"] == 8  # 200 tokens take longer than 0.1 s
+    assert stats["requests_aborted"] == stats["requests_resumed"] == 8
     for versions, ids in zip(table.column("token_versions").to_pylist(), table.column("response_ids").to_pylist()):
         assert len(versions) == len(ids) == 200 and versions == sorted(versions) and set(versions) <= {0, 1}
     assert any(0 in v and 1 in v for v in table.column("token_versions").to_pylist())
