@@ -19,6 +19,7 @@ console = Console(stderr=True)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlpipe", description="RL post-training as a declarative DAG of stages.")
+    parser.add_argument("--version", action="version", version=f"rlpipe {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, helptext in (("run", "run a pipeline"), ("validate", "check a pipeline without starting anything")):
         cmd = sub.add_parser(name, help=helptext)
@@ -82,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "run":
             raise
         return _run_failed(exc, sys.argv[1:] if argv is None else argv, where.get("output_dir"))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlpipe")
+    except PackageNotFoundError:  # a source tree on sys.path without an install
+        return "(not installed)"
 
 
 def _run_failed(exc: BaseException, argv: list[str], output_dir: str | None) -> int:

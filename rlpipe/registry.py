@@ -11,6 +11,7 @@ duplicate names raise.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 from importlib.metadata import entry_points
@@ -64,7 +65,9 @@ class Registry(Generic[T]):
             return self._items[name]
         except KeyError:
             known = ", ".join(sorted(self._items)) or "(none registered)"
-            raise RegistryError(f"unknown {self.kind} {name!r}; known: {known}") from None
+            close = difflib.get_close_matches(str(name), list(self._items), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RegistryError(f"unknown {self.kind} {name!r}{hint}; known: {known}") from None
 
     def __contains__(self, name: object) -> bool:
         load_plugins()

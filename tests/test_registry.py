@@ -14,8 +14,10 @@ def test_unknown_name_lists_known_sorted():
     r = reg.Registry("widget")
     r.add("zeta", object())
     r.add("alpha", object())
-    with pytest.raises(RegistryError, match=r"unknown widget 'beta'; known: alpha, zeta"):
-        r.get("beta")
+    with pytest.raises(RegistryError, match=r"unknown widget 'xyz'; known: alpha, zeta"):
+        r.get("xyz")
+    with pytest.raises(RegistryError, match=r"unknown widget 'alpah'; did you mean 'alpha'\?; known: alpha, zeta"):
+        r.get("alpah")
 
 
 def test_duplicate_name_raises_naming_both():

@@ -100,7 +100,7 @@ def _describe(err: dict[str, Any], raw: dict[str, Any]) -> str:
     loc = _dotted(err["loc"], raw)
     kind = err["type"]
     if kind == "extra_forbidden":
-        return f"{loc}: unknown field{_suggest(err['loc'], raw)}"
+        return f"{loc}: unknown field{_params_hint(err['loc'], raw) or _suggest(err['loc'], raw)}"
     if kind == "missing":
         return f"{loc}: required field is missing"
     if kind == "finite_number":
@@ -146,6 +146,26 @@ def _suggest(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
     close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"{hint} allowed here: {', '.join(fields)}"
+
+
+def _params_hint(loc: tuple[Any, ...], raw: dict[str, Any]) -> str:
+    """For ``stages[i].<key>`` where ``key`` is a param of that stage's impl (``-o stages.update.clip_ratio=0.1``):
+    the ``.params.`` spelling to use."""
+    if len(loc) != 3 or loc[0] != "stages" or not isinstance(loc[1], int):
+        return ""
+    stages = raw.get("stages") or []
+    stage = stages[loc[1]] if loc[1] < len(stages) and isinstance(stages[loc[1]], dict) else {}
+    try:
+        from rlpipe.stage import stage_registry
+
+        fields = stage_registry(str(stage.get("kind"))).get(str(stage.get("impl"))).params_model.model_fields
+    except Exception:  # noqa: BLE001 - an unknown kind or impl is reported by the plan, with its own fix
+        return ""
+    if str(loc[2]) not in fields:
+        return ""
+    node = stage.get("name") or stage.get("kind")
+    return (f"; {loc[2]!r} is a param of {stage.get('kind')}/{stage.get('impl')}: write it under params "
+            f"(stages.{node}.params.{loc[2]} in an override)")
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:

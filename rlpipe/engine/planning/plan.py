@@ -11,6 +11,7 @@ same position, type mismatches, and the mode's constraints.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +144,9 @@ def _validate_params(model: type[BaseModel], raw: dict[str, Any], where: str) ->
             loc = ".".join(str(p) for p in (where, *err["loc"]))
             if err["type"] == "extra_forbidden":
                 allowed = ", ".join(model.model_fields) or "(none)"
-                lines.append(f"{loc}: unknown param; allowed: {allowed}")
+                close = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1)
+                hint = f" did you mean {close[0]!r}?" if close else ""
+                lines.append(f"{loc}: unknown param;{hint} allowed: {allowed}")
             elif err["type"] == "finite_number":
                 lines.append(f"{loc}: must be a finite number, got {err.get('input')!r}; write a finite value")
             else:
