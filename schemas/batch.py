@@ -78,6 +78,7 @@ GENERATION_SPANS = "generation_spans"
 NUM_TURNS = "num_turns"
 TERMINATION = "termination"
 AGENT = "agent"
+EXTRA_INFO = "extra_info"  # a row's details for the reward function (JSON object text), when its dataset has them
 
 # Row statuses.
 STATUS_OK = "ok"
@@ -112,10 +113,12 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
     NUM_TURNS: pa.int32(),
     TERMINATION: pa.string(),
     AGENT: pa.string(),
+    EXTRA_INFO: pa.string(),
 }
 
 # Columns every prompt batch (the data loader's output) carries. A prompt batch may also carry AGENT (when the
-# dataset names an agent per row); the generate stage reads it when present, so it is not required here.
+# dataset names an agent per row) and EXTRA_INFO (when its rows have details for the reward function); generate
+# reads the first and passes the second on when present, so neither is required here.
 PROMPT_COLUMNS = (UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)
 
 

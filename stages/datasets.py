@@ -5,12 +5,16 @@ A dataset is ``fn(params, seed) -> pa.Table``: the whole set, with string column
 :mod:`rlpipe.stages.reward`), registered as a :class:`DatasetSpec` with its params
 model so ``data.params`` of a YAML is validated before anything runs. Built-ins:
 ``digits`` (a learnable toy task generated locally, the quickstart: ``"371="`` →
-``"2"``), ``jsonl`` / ``parquet`` (local files, configurable field names) and
+``"2"``), ``jsonl`` / ``parquet`` / ``hf`` (local files and Hugging Face datasets, in verl's and TRL's
+formats too: :mod:`rlpipe.stages.dataset_records`) and
 ``arithmetic`` (``"7*8="`` → ``"56"``: the agent pipelines' task, solvable with a
 calculator tool), ``gsm8k_sample`` (templated GSM8K-style word problems with integer answers,
 generated deterministically; ``pipelines/data/gsm8k_sample.jsonl`` holds 100, made by
 ``python -c "from rlpipe.stages.datasets import *; write_jsonl(load_dataset('gsm8k_sample',
 {'size': 100}, 0), 'pipelines/data/gsm8k_sample.jsonl')"``).
+
+A dataset may add the string columns ``prompt_messages`` (a chat prompt's messages, JSON),
+``extra_info`` (JSON details for the reward function) and ``agent``; they are kept.
 
 Left out: tokenization, shuffling, batching (the engine's data loader), data larger
 than memory, remote stores (HF hub, S3), multi-modal fields.
@@ -26,34 +30,27 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, ValidationError
 
 from rlpipe.errors import ConfigError
 from rlpipe.registry import registry
-from rlpipe.schemas.batch import AGENT, DATA_SOURCE, GROUND_TRUTH
+from rlpipe.stages.dataset_records import (  # noqa: F401 - DatasetError, DatasetParams, TEXT_*: this module's API
+    OPTIONAL_COLUMNS,
+    PREVIEW_ROWS,
+    PROMPT,
+    TEXT_COLUMNS,
+    TEXT_SCHEMA,
+    DatasetError,
+    DatasetParams,
+    HfParams,
+    RecordParams,
+    load_files,
+    load_hf,
+    read_jsonl,
+    read_parquet,
+)
 
-PROMPT = "prompt"
-TEXT_COLUMNS = (PROMPT, GROUND_TRUTH, DATA_SOURCE)
-TEXT_SCHEMA = pa.schema([(name, pa.string()) for name in TEXT_COLUMNS])
 DATASETS = registry("dataset")
-
-
-class DatasetError(ConfigError):
-    """A dataset cannot be loaded: a missing file or field, a malformed row."""
-
-
-class DatasetParams(BaseModel):
-    """Base of every dataset's params model: unknown keys, inf/nan and booleans for numbers are errors."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        from rlpipe.schemas.config import refuse_bool_for_number
-
-        return refuse_bool_for_number(cls, value, info)
 
 
 @dataclass(frozen=True)
@@ -63,11 +60,11 @@ class DatasetSpec:
     name: str
     fn: Callable[[Any, int], pa.Table]
     params_model: type[BaseModel]
-    preview: Callable[[Any], None] | None = None
+    preview: Callable[[Any], pa.Table | None] | None = None
     """Validate-time check (no full load): files exist, the first rows parse and have the fields."""
 
 
-def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], None] | None = None) -> Callable:
+def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], pa.Table | None] | None = None) -> Callable:
     """Decorator registering ``fn(params, seed) -> pa.Table`` as dataset ``name``."""
 
     def decorate(fn: Callable[[Any, int], pa.Table]) -> Callable[[Any, int], pa.Table]:
@@ -77,11 +74,10 @@ def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], None] |
     return decorate
 
 
-def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None) -> None:
-    """The dataset's validate-time check, if it has one (file datasets do)."""
+def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None) -> pa.Table | None:
+    """The dataset's validate-time check, if it has one (file datasets do: their first rows, as a table)."""
     spec = dataset_spec(name)
-    if spec.preview is not None:
-        spec.preview(validate_params(name, params))
+    return spec.preview(validate_params(name, params)) if spec.preview is not None else None
 
 
 def dataset_spec(name: str) -> DatasetSpec:
@@ -111,10 +107,10 @@ def load_dataset(name: str, params: dict[str, Any] | BaseModel | None, seed: int
     missing = [c for c in TEXT_COLUMNS if c not in table.column_names]
     if missing:
         raise DatasetError(f"dataset {name!r} returned no column(s) {missing}; it must return {list(TEXT_COLUMNS)}")
-    agents = table.column(AGENT).cast(pa.string()) if AGENT in table.column_names else None
+    optional = {name: table.column(name).cast(pa.string()) for name in OPTIONAL_COLUMNS if name in table.column_names}
     table = table.select(list(TEXT_COLUMNS)).cast(TEXT_SCHEMA)
-    if agents is not None:
-        table = table.append_column(AGENT, agents)
+    for name, column in optional.items():
+        table = table.append_column(name, column)
     for column in TEXT_COLUMNS:
         if table.column(column).null_count:
             raise DatasetError(f"dataset {name!r} has null values in column {column!r}; fill or drop those rows")
@@ -174,126 +170,27 @@ def digits(params: DigitsParams, seed: int) -> pa.Table:
     return _table(prompts.tolist(), answers.tolist(), "digits")
 
 
-class FileParams(DatasetParams):
+class FileParams(RecordParams):
+    """Local files (dataset_records: field names, chat prompts, nested keys)."""
+
     path: str | list[str]
     """Local file, or a list of files concatenated in order."""
-    prompt_key: str = "prompt"
-    """Field holding the prompt text."""
-    answer_key: str = "ground_truth"
-    """Field holding the reference answer (numbers become text; lists, e.g. unit tests, become JSON)."""
-    data_source: str | None = None
-    """Constant data_source for every row; None reads it from `data_source_key`."""
-    data_source_key: str = "data_source"
-    """Field holding each row's data_source (used when `data_source` is None)."""
-    prompt_template: str = "{prompt}"
-    """Format applied to every prompt, e.g. "{prompt}\\nPut the final answer after ####."."""
-    limit: int | None = Field(None, ge=1)
-    """Keep only the first `limit` rows."""
-    agent_key: str | None = None
-    """Field holding each row's agent (registry `agent`: the per-sample `agent` column; a null or missing value
-    uses generate.params.agent); None = no such column, every row uses generate.params.agent."""
-
-    @field_validator("prompt_template")
-    @classmethod
-    def _has_slot(cls, value: str) -> str:
-        if "{prompt}" not in value:
-            raise ValueError('prompt_template must contain "{prompt}"')
-        return value
 
 
-def _paths(params: FileParams) -> list[Path]:
-    paths = [Path(p) for p in ([params.path] if isinstance(params.path, str) else params.path)]
-    for path in paths:
-        if not path.is_file():
-            raise DatasetError(f"dataset file {str(path)!r} does not exist (cwd {Path.cwd()}); fix data.params.path")
-    return paths
-
-
-def _as_text(value: Any) -> str | None:
-    return value if value is None or isinstance(value, str) else json.dumps(value)
-
-
-def _text(table: pa.Table, key: str) -> list[str | None]:
-    """A field as text: strings as they are, numbers as written, lists/objects (e.g. unit tests) as JSON."""
-    try:
-        return table.column(key).cast(pa.string()).to_pylist()
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return [_as_text(v) for v in table.column(key).to_pylist()]
-
-
-def _from_records(table: pa.Table, params: FileParams, where: str) -> pa.Table:
-    keys = [params.prompt_key, params.answer_key] + ([params.data_source_key] if params.data_source is None else [])
-    for key in keys:
-        if key not in table.column_names:
-            hint = " (or set data.params.data_source to a constant)" if key == params.data_source_key else ""
-            raise DatasetError(f"{where} has no field {key!r}; fields: {table.column_names}. "
-                               f"Set the matching *_key param{hint}")
-    if params.limit:
-        table = table.slice(0, params.limit)
-    prompts = [p if p is None else params.prompt_template.replace("{prompt}", p) for p in _text(table, params.prompt_key)]
-    sources = params.data_source or _text(table, params.data_source_key)
-    out = _table(prompts, _text(table, params.answer_key), sources)
-    if params.agent_key is not None:
-        agents = _text(table, params.agent_key) if params.agent_key in table.column_names else [None] * out.num_rows
-        out = out.append_column(AGENT, pa.array(agents, pa.string()))
-    return out
-
-
-def _read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
-    rows, number = [], 0
-    with path.open(encoding="utf-8") as lines:
-        while limit is None or len(rows) < limit:
-            number += 1
-            try:
-                line = lines.readline()
-            except UnicodeDecodeError:  # decoded in chunks: the bad byte is at or after this line
-                raise DatasetError(f"{path}: not UTF-8 text (near line {number}); convert the file to UTF-8") from None
-            if not line:
-                break
-            try:
-                row = json.loads(line) if line.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{number}: not a JSON object; one object per line")
-            rows.extend([row] if row else [])
-    return rows
-
-
-def _records(rows: list[dict]) -> pa.Table:
-    keys = dict.fromkeys(key for row in rows for key in row)
-    return pa.table({key: pa.array([_as_text(row.get(key)) for row in rows], pa.string()) for key in keys})
-
-
-PREVIEW_ROWS = 5
-"""Rows of each file a validate-time preview parses."""
-
-
-def _preview_jsonl(params: FileParams) -> None:
-    for path in _paths(params):
-        _from_records(_records(_read_jsonl(path, PREVIEW_ROWS)), params, str(path))
-
-
-def _preview_parquet(params: FileParams) -> None:
-    for path in _paths(params):
-        try:
-            first = next(pq.ParquetFile(path).iter_batches(batch_size=PREVIEW_ROWS), None)
-            table = pa.Table.from_batches([first]) if first is not None else pq.read_schema(path).empty_table()
-        except (pa.ArrowException, OSError) as exc:
-            raise DatasetError(f"{path}: not a readable Parquet file ({exc}); fix data.params.path") from None
-        _from_records(table, params, str(path))
-
-
-@dataset("jsonl", FileParams, preview=_preview_jsonl)
+@dataset("jsonl", FileParams, preview=lambda params: load_files(params, read_jsonl, PREVIEW_ROWS))
 def jsonl(params: FileParams, seed: int) -> pa.Table:
-    rows = [row for path in _paths(params) for row in _read_jsonl(path)]
-    return _from_records(_records(rows), params, str(params.path))
+    return load_files(params, read_jsonl)
 
 
-@dataset("parquet", FileParams, preview=_preview_parquet)
+@dataset("parquet", FileParams, preview=lambda params: load_files(params, read_parquet, PREVIEW_ROWS))
 def parquet(params: FileParams, seed: int) -> pa.Table:
-    tables = [pq.read_table(path) for path in _paths(params)]
-    return _from_records(pa.concat_tables(tables, promote_options="permissive"), params, str(params.path))
+    return load_files(params, read_parquet)
+
+
+@dataset("hf", HfParams, preview=lambda params: load_hf(params, PREVIEW_ROWS))
+def hf(params: HfParams, seed: int) -> pa.Table:
+    """A Hugging Face `datasets` dataset on this machine (a save_to_disk folder or local data files)."""
+    return load_hf(params)
 
 
 def write_jsonl(table: pa.Table, path: str | Path) -> None:

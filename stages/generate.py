@@ -51,6 +51,7 @@ from rlpipe.jagged import from_flat, offsets_and_values
 from rlpipe.schemas.batch import (
     AGENT,
     DATA_SOURCE,
+    EXTRA_INFO,
     GENERATION_SPANS,
     GROUND_TRUTH,
     NUM_TURNS,
@@ -313,7 +314,10 @@ def trajectory_table(
     columns[NUM_TURNS] = pa.array([getattr(r, "num_turns", 1) for r in results], type=column_type(NUM_TURNS))
     columns[TERMINATION] = pa.array([getattr(r, "termination", None) or _TERMINATION[r.finish_reason]
                                      for r in results], type=column_type(TERMINATION))
-    return pa.table({name: columns[name] for name in _ORDER})
+    out = {name: columns[name] for name in _ORDER}
+    if EXTRA_INFO in expanded.column_names:  # the dataset's details for the reward function ride along
+        out[EXTRA_INFO] = expanded.column(EXTRA_INFO).cast(column_type(EXTRA_INFO))
+    return pa.table(out)
 
 
 def _concat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:

@@ -54,7 +54,9 @@ from rlpipe.errors import ConfigError
 from rlpipe.jagged import last_token_placement
 from rlpipe.schemas.batch import (
     DATA_SOURCE,
+    EXTRA_INFO,
     GROUND_TRUTH,
+    RESPONSE_IDS,
     SAMPLE_INDEX,
     UID,
     RESPONSE_MASK,
@@ -90,7 +92,8 @@ class RuleRewardParams(StageParams):
     the hung call is abandoned. None waits forever. Keep it below the stage's `timeout_s`."""
     function: RewardFunction | None = None
     """Your own reward function, {path: my_reward.py, name: score}: it scores every row (routes and scorers
-    unused); fn(data_source, solution_str, ground_truth, extra_info) → float or dict with `score`."""
+    unused); verl's fn(data_source, solution_str, ground_truth, extra_info) → float or dict with `score`, or
+    TRL's batched fn(prompts, completions, **kwargs) → list[float] (rlpipe.stages.reward_function)."""
 
     @model_validator(mode="after")
     def _scorers_exist(self) -> "RuleRewardParams":
@@ -170,21 +173,22 @@ def _metric_name(source: str) -> str:
 
 def _rule_reads(params: RuleRewardParams) -> dict[str, pa.DataType]:
     extra = (UID, SAMPLE_INDEX) if params.function is not None else ()
+    extra += (RESPONSE_IDS,) if params.function is not None and params.function.style == "trl" else ()
     return cols(DATA_SOURCE, GROUND_TRUTH, RESPONSE_TEXT, RESPONSE_MASK, STATUS, *extra)
 
 
 def function_scores(batch: pa.Table, ref: RewardFunction, rows: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
     """Scores of ``rows`` by the user's function (others 0) and the means of its extra metrics."""
-    fn = reward_function.load(ref)
+    taken = batch.take(pa.array(rows, pa.int64()))
+    text = {c: [v or "" for v in taken.column(c).to_pylist()] for c in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH)}
+    infos = taken.column(EXTRA_INFO).to_pylist() if EXTRA_INFO in taken.column_names else [None] * len(rows)
+    infos = [reward_function.row_info(info, uid, index) for info, uid, index
+             in zip(infos, taken.column(UID).to_pylist(), taken.column(SAMPLE_INDEX).to_pylist())]
+    ids = taken.column(RESPONSE_IDS).to_pylist() if RESPONSE_IDS in taken.column_names else None
+    values, extras = reward_function.score_rows(ref, text[DATA_SOURCE], text[RESPONSE_TEXT], text[GROUND_TRUTH],
+                                                infos, ids)
     scores = np.zeros(batch.num_rows, dtype=np.float32)
-    extras: dict[str, list[float]] = {}
-    columns = {c: batch.column(c).to_pylist() for c in (DATA_SOURCE, RESPONSE_TEXT, GROUND_TRUTH, UID, SAMPLE_INDEX)}
-    for i in rows:
-        info = {"uid": columns[UID][i], "sample_index": columns[SAMPLE_INDEX][i]}
-        scores[i], more = reward_function.call(ref, fn, columns[DATA_SOURCE][i] or "", columns[RESPONSE_TEXT][i] or "",
-                                               columns[GROUND_TRUTH][i] or "", info)
-        for key, value in more.items():
-            extras.setdefault(key, []).append(value)
+    scores[rows] = values
     return scores, {f"reward/{_metric_name(k)}/mean": float(np.mean(v)) for k, v in extras.items()}
 
 

@@ -17,8 +17,10 @@ CASES = {
     "bad_yaml_syntax.yaml": (ConfigError, r"not valid YAML at line \d+"),
     "unknown_field.yaml": (ConfigError, r"trainer\.total_step: unknown field; did you mean 'total_steps'\?"),
     "two_model_sources.yaml": (ConfigError, r"model.*exactly one of `path`.*or `architecture`"),
-    "unknown_impl.yaml": (PlanError, r"stages\[4:advantage\]: unknown stage\.advantage 'grpoo'; known: .*grpo"),
-    "bad_params.yaml": (ConfigError, r"stages\[0:generate\]\.params\.temprature: unknown param; allowed: .*temperature"),
+    "unknown_impl.yaml": (PlanError, r"stages\[4:advantage\]: unknown stage\.advantage 'grpoo'; "
+                                     r"did you mean 'grpo'\?; known: .*grpo"),
+    "bad_params.yaml": (ConfigError, r"stages\[0:generate\]\.params\.temprature: unknown param; did you mean "
+                                    r"'temperature'\? allowed: .*temperature"),
     "missing_writer.yaml": (PlanError, r"update \(update/ppo\) reads column 'ref_logprobs' but no stage before it writes it; add a stage that writes it: ref/reference"),
     "missing_kind.yaml": (PlanError, r"no stage of kind balance"),
     "two_writers.yaml": (PlanError, r"two writers of column 'old_logprobs'.*old_log_prob and old_log_prob_again"),
@@ -34,7 +36,7 @@ CASES = {
                                              r"the number without quotes"),
     "missing_dataset_file.yaml": (ConfigError, r"dataset file 'tests/fixtures/data/does_not_exist\.jsonl' does not exist"
                                                r".*fix data\.params\.path"),
-    "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl has no field 'prompt'; fields: "
+    "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl row 1 has no field 'prompt'; fields: "
                                                      r"\['question', 'ground_truth', 'data_source'\]"),
     "bad_scorer_params.yaml": (ConfigError, r"scorer_params\.code\.timeout_s: Input should be a valid number "
                                             r"\(got 'ten seconds'\)"),

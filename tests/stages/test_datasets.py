@@ -29,8 +29,11 @@ def test_builtins_registered_with_params_models():
         spec = dataset_spec(name)
         assert isinstance(spec, DatasetSpec) and spec.name == name
     assert dataset_spec("digits").params_model is DigitsParams
-    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: arithmetic, digits, gsm8k_sample, jsonl, lookup, parquet"):
+    with pytest.raises(RegistryError, match="unknown dataset 'nope'; known: arithmetic, digits, gsm8k_sample, hf, jsonl, "
+                                            "lookup, parquet"):
         dataset_spec("nope")
+    with pytest.raises(RegistryError, match="unknown dataset 'jsnol'; did you mean 'jsonl'[?]; known: arithmetic"):
+        dataset_spec("jsnol")
 
 
 def test_digits_answers_by_hand():
@@ -94,10 +97,12 @@ def test_jsonl_with_custom_fields(tmp_path):
     path = _write_jsonl(tmp_path / "a.jsonl", rows)
     params = {"path": path, "prompt_key": "question", "answer_key": "answer", "data_source_key": "src"}
     table = load_dataset("jsonl", params, 0)
-    assert table.to_pylist() == [{"prompt": "1+1?", "ground_truth": "2", "data_source": "math"},
-                                 {"prompt": "2+3?", "ground_truth": "5", "data_source": "gsm8k"}]
-    constant = load_dataset("jsonl", dict(params, data_source="mine", prompt_template="Q: {prompt} \\boxed{}", limit=1),
-                            0)
+    # the fields under other names than rlpipe's travel to a reward function as extra_info (TRL's columns)
+    assert table.to_pylist() == [
+        {"prompt": "1+1?", "ground_truth": "2", "data_source": "math", "extra_info": '{"answer": "2", "src": "math"}'},
+        {"prompt": "2+3?", "ground_truth": "5", "data_source": "gsm8k", "extra_info": '{"answer": "5", "src": "gsm8k"}'}]
+    constant = load_dataset("jsonl", dict(params, data_source="mine", prompt_template="Q: {prompt} \\boxed{}", limit=1,
+                                          extra_info_key=None), 0)
     assert constant.to_pylist() == [{"prompt": "Q: 1+1? \\boxed{}", "ground_truth": "2", "data_source": "mine"}]
     two = load_dataset("jsonl", dict(params, path=[path, path]), 0)
     assert two.num_rows == 4

@@ -5,8 +5,11 @@ traceback minutes into a run:
 
 * ``trainer.output_dir`` can be created and written (its nearest existing folder is a
   writable directory);
+* ``model.path`` / ``tokenizer.path`` are folders with a model config and weights / tokenizer files
+  (read as files, nothing loaded);
 * a file dataset's files exist and their first rows parse and carry the fields
-  (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`);
+  (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`); chat-message
+  prompts need ``data.apply_chat_template``; their data_sources each have a scorer route;
 * ``data.max_prompt_length + generate max_tokens`` fits the model's positions
   (``model.architecture.max_position_embeddings``, or ``config.json`` of ``model.path``);
 * a generate stage attached to running servers (``params.server.urls``) names one per rollout
@@ -22,19 +25,73 @@ import os
 from pathlib import Path
 
 from rlpipe.errors import ConfigError
+from rlpipe.stages.dataset_records import PROMPT_MESSAGES
 from rlpipe.stages.datasets import preview_dataset
 
 
 def check_config(config) -> None:
     """Checks of the config alone (no plan needed)."""
     check_output_dir(config.trainer.output_dir)
-    preview_dataset(config.data.source, config.data.params)
+    check_model_folders(config)
+    preview = preview_dataset(config.data.source, config.data.params)
+    if preview is not None and PROMPT_MESSAGES in preview.column_names and not config.data.apply_chat_template:
+        raise ConfigError(f"data: the prompts of dataset {config.data.source!r} are lists of chat messages; set "
+                          "data.apply_chat_template: true so the tokenizer's chat template renders them")
 
 
 def check_plan(config, plan) -> None:
     """Checks that need the planned nodes."""
     check_positions(config, plan)
     check_server_urls(config, plan)
+    check_routes(config, plan)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def check_model_folders(config) -> None:
+    """``model.path`` holds a config.json with a model_type and weight files; ``tokenizer.path`` holds a
+    tokenizer. Only the files are read (no weights loaded, no transformers import)."""
+    if config.model.path is not None:
+        folder = Path(config.model.path)
+        if not folder.is_dir():
+            raise ConfigError(f"model.path {config.model.path!r} is not a folder on this machine; point it at a local "
+                              "Hugging Face model folder (nothing is downloaded), or set model.architecture to build one")
+        try:
+            model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"model.path {config.model.path!r}: no readable config.json ({type(exc).__name__}: "
+                              f"{exc}); point model.path at the folder a model was saved to") from None
+        if not model_type:
+            raise ConfigError(f"model.path {config.model.path!r}: config.json has no model_type; it is not a "
+                              "Hugging Face model config")
+        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+            raise ConfigError(f"model.path {config.model.path!r} has config.json but no weights (*.safetensors, "
+                              "*.bin); copy the model's weight files there")
+    if config.tokenizer.path is not None:
+        folder = Path(config.tokenizer.path)
+        if not folder.is_dir():
+            raise ConfigError(f"tokenizer.path {config.tokenizer.path!r} is not a folder on this machine; point it at "
+                              "a local Hugging Face tokenizer folder, or use tokenizer.chars / byte_level: true")
+        if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"tokenizer.path {config.tokenizer.path!r} has no tokenizer.json or "
+                              "tokenizer_config.json; save the tokenizer there (tokenizer.save_pretrained)")
+
+
+def check_routes(config, plan) -> None:
+    """Every data_source of the dataset's first rows has a scorer (reward impl `rule` without a function)."""
+    reward = plan.node("reward")
+    if reward is None or reward.impl != "rule" or getattr(reward.params, "function", None) is not None:
+        return
+    preview = preview_dataset(config.data.source, config.data.params)
+    if preview is None:
+        return
+    from rlpipe.stages.reward import resolve_routes
+
+    try:
+        resolve_routes(sorted(set(preview.column("data_source").to_pylist()) - {None}), reward.params)
+    except ConfigError as exc:
+        raise ConfigError(f"stages[{reward.name}]: {exc}") from None
 
 
 def check_server_urls(config, plan) -> None:

@@ -8,24 +8,36 @@ checkpoint.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 
+from rlpipe.agents.chat import render
 from rlpipe.errors import ConfigError
 from rlpipe.jagged import from_flat
-from rlpipe.schemas.batch import AGENT, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
+from rlpipe.schemas.batch import AGENT, DATA_SOURCE, EXTRA_INFO, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP, UID
 from rlpipe.schemas.config import DataConfig
+from rlpipe.stages.dataset_records import PROMPT_MESSAGES
 from rlpipe.stages.datasets import load_dataset
 
 
-def tokenize_prompts(texts: list[str], tokenizer, chat_template: bool) -> list[list[int]]:
-    """Token ids of each prompt (the HF fast tokenizer batches in Rust)."""
-    if chat_template:
-        return [
-            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-            for t in texts
-        ]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+def tokenize_prompts(texts: list[str], tokenizer, chat_template: bool,
+                     messages: list[str | None] | None = None) -> list[list[int]]:
+    """Token ids of each prompt (the HF fast tokenizer batches in Rust). With ``chat_template`` a prompt is
+    rendered by the tokenizer's chat template (rlpipe's default where it has none, as the gateway does): its
+    ``messages`` (JSON, a chat dataset's rows) or else its text as one user message. A row with messages and
+    no ``chat_template`` is a ConfigError: training on the JSON text of a chat is never what was meant."""
+    chats = [json.loads(m) if m is not None else None for m in messages] if messages is not None else None
+    if not chat_template:
+        first = next((i for i, m in enumerate(chats or ()) if m is not None), None)
+        if first is not None:
+            raise ConfigError(f"data: prompt #{first} (and every row like it) is a list of chat messages; set "
+                              "data.apply_chat_template: true so the tokenizer's chat template renders them")
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    rendered = [render(tokenizer, chat if chat is not None else [{"role": "user", "content": text}])
+                for text, chat in zip(texts, chats or [None] * len(texts))]
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 class PromptLoader:
@@ -35,7 +47,8 @@ class PromptLoader:
         self.data = data
         self.seed = seed
         table = load_dataset(data.source, data.params, seed)
-        ids = tokenize_prompts(table.column("prompt").to_pylist(), tokenizer, data.apply_chat_template)
+        messages = table.column(PROMPT_MESSAGES).to_pylist() if PROMPT_MESSAGES in table.column_names else None
+        ids = tokenize_prompts(table.column("prompt").to_pylist(), tokenizer, data.apply_chat_template, messages)
         lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         too_long = np.flatnonzero(lens > data.max_prompt_length)
         if too_long.size:
@@ -55,6 +68,8 @@ class PromptLoader:
         self.data_source = table.column("data_source").combine_chunks()
         # a dataset naming an agent per row (the per-sample `agent` column) passes it on; others have none
         self.agent = table.column(AGENT).combine_chunks() if AGENT in table.column_names else None
+        # a dataset whose rows carry details for the reward function (verl's extra_info) passes them on
+        self.extra_info = table.column(EXTRA_INFO).combine_chunks() if EXTRA_INFO in table.column_names else None
         self.size = table.num_rows
         self.epoch = 0
         self.cursor = 0
@@ -93,6 +108,8 @@ class PromptLoader:
         }
         if self.agent is not None:
             columns[AGENT] = self.agent.take(rows)
+        if self.extra_info is not None:
+            columns[EXTRA_INFO] = self.extra_info.take(rows)
         return pa.table(columns)
 
     def state(self) -> dict:

@@ -44,7 +44,7 @@ import pyarrow as pa
 from rlpipe.inference.contract import RolloutEngine
 from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult
 from rlpipe.errors import BatchError, RlpipeError
-from rlpipe.schemas.batch import UID, column_type
+from rlpipe.schemas.batch import EXTRA_INFO, UID, column_type
 from rlpipe.stages.generate import PASS_THROUGH, GenerateParams, group_requests, trajectory_table
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class _Group:
     """The ``n`` trajectories of one prompt, from submission to collection."""
 
     seq: int  # submission order: collected groups come out in it
-    prompt: pa.Table  # one row, the PASS_THROUGH columns in canonical types
+    prompt: pa.Table  # one row, the PASS_THROUGH columns (and EXTRA_INFO when given) in canonical types
     requests: list[GenerationRequest]  # index = sample_index
     results: dict[int, GenerationResult] = field(default_factory=dict)
 
@@ -220,7 +220,8 @@ class RolloutService:
             raise BatchError(f"rollout service: the prompt table lacks column(s) {missing}; "
                              f"prompts need {list(PASS_THROUGH)}")
         rows, _, requests = group_requests(prompts, params, seed)
-        canonical = pa.table({n: prompts.column(n).cast(column_type(n)) for n in PASS_THROUGH}).combine_chunks()
+        kept = (*PASS_THROUGH, *([EXTRA_INFO] if EXTRA_INFO in prompts.column_names else []))
+        canonical = pa.table({n: prompts.column(n).cast(column_type(n)) for n in kept}).combine_chunks()
         uids = canonical.column(UID).to_pylist()
         with self._engine_access():
             busy = sorted(u for u in uids if u in self._groups or u in self._dropped)
