@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return _stages()
     except RlpipeError as exc:
         if args.command != "run":  # validate and the readers: the whole message (a config's every bad field)
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            # escaped: messages name fields like stages[reward], which Rich would take for markup and drop
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, markup=True, soft_wrap=True)
             return 2
         return _run_failed(exc, sys.argv[1:] if argv is None else argv, where.get("output_dir"))
     except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly

@@ -39,8 +39,9 @@ TEXT_COLUMNS = (PROMPT, GROUND_TRUTH, DATA_SOURCE)
 OPTIONAL_COLUMNS = (AGENT, PROMPT_MESSAGES, EXTRA_INFO)
 """String columns a dataset may add; they are kept when present."""
 TEXT_SCHEMA = pa.schema([(name, pa.string()) for name in TEXT_COLUMNS])
-PREVIEW_ROWS = 5
-"""Rows of each file a validate-time preview parses."""
+PREVIEW_ROWS = 2000
+"""Rows of each file ``rlpipe validate`` reads (fields, chat prompts, scorer routes, prompt lengths); a bigger
+file is checked on its first rows, and the rest when the run loads it."""
 _MISSING = object()
 _PASSED_ANYWAY = (GROUND_TRUTH, DATA_SOURCE)
 """Fields a reward function gets under these names in any case (a row's extra_info need not repeat them)."""

@@ -60,11 +60,12 @@ class DatasetSpec:
     name: str
     fn: Callable[[Any, int], pa.Table]
     params_model: type[BaseModel]
-    preview: Callable[[Any], pa.Table | None] | None = None
-    """Validate-time check (no full load): files exist, the first rows parse and have the fields."""
+    preview: Callable[[Any, int], pa.Table | None] | None = None
+    """Validate-time check (no full load): files exist, the first ``rows`` rows parse and have the fields."""
 
 
-def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], pa.Table | None] | None = None) -> Callable:
+def dataset(name: str, params: type[BaseModel], preview: Callable[[Any, int], pa.Table | None] | None = None,
+            ) -> Callable:
     """Decorator registering ``fn(params, seed) -> pa.Table`` as dataset ``name``."""
 
     def decorate(fn: Callable[[Any, int], pa.Table]) -> Callable[[Any, int], pa.Table]:
@@ -74,10 +75,11 @@ def dataset(name: str, params: type[BaseModel], preview: Callable[[Any], pa.Tabl
     return decorate
 
 
-def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None) -> pa.Table | None:
-    """The dataset's validate-time check, if it has one (file datasets do: their first rows, as a table)."""
+def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None, rows: int = PREVIEW_ROWS) -> pa.Table | None:
+    """The dataset's validate-time check, if it has one (file datasets do: their first ``rows`` rows per file,
+    as a table)."""
     spec = dataset_spec(name)
-    return spec.preview(validate_params(name, params)) if spec.preview is not None else None
+    return spec.preview(validate_params(name, params), rows) if spec.preview is not None else None
 
 
 def dataset_spec(name: str) -> DatasetSpec:
@@ -177,17 +179,17 @@ class FileParams(RecordParams):
     """Local file, or a list of files concatenated in order."""
 
 
-@dataset("jsonl", FileParams, preview=lambda params: load_files(params, read_jsonl, PREVIEW_ROWS))
+@dataset("jsonl", FileParams, preview=lambda params, rows: load_files(params, read_jsonl, rows))
 def jsonl(params: FileParams, seed: int) -> pa.Table:
     return load_files(params, read_jsonl)
 
 
-@dataset("parquet", FileParams, preview=lambda params: load_files(params, read_parquet, PREVIEW_ROWS))
+@dataset("parquet", FileParams, preview=lambda params, rows: load_files(params, read_parquet, rows))
 def parquet(params: FileParams, seed: int) -> pa.Table:
     return load_files(params, read_parquet)
 
 
-@dataset("hf", HfParams, preview=lambda params: load_hf(params, PREVIEW_ROWS))
+@dataset("hf", HfParams, preview=lambda params, rows: load_hf(params, rows))
 def hf(params: HfParams, seed: int) -> pa.Table:
     """A Hugging Face `datasets` dataset on this machine (a save_to_disk folder or local data files)."""
     return load_hf(params)

@@ -15,8 +15,9 @@ one) or, for a row without one, the row's other fields (rlpipe.stages.dataset_re
 ``uid`` and ``sample_index``.
 A TRL function (``style: trl``, or ``auto`` when it has a ``completions`` parameter) gets lists, one
 entry per row: ``prompts`` (a chat prompt's messages; None for a text prompt, as the reward stage gets
-token ids, not prompt text), ``completions`` (text, or ``[{"role": "assistant", "content": ...}]`` when
-the prompt was messages), ``completion_ids``,
+token ids, not prompt text, and for a row with its own ``extra_info``, verl's, which holds no prompt),
+``completions`` (text, or ``[{"role": "assistant", "content": ...}]`` when the prompt was messages),
+``completion_ids``,
 ``ground_truth``, ``data_source`` and every field of the rows' ``extra_info`` as a keyword
 (TRL passes a dataset's columns so: ``solution`` above), and returns one float per row.
 

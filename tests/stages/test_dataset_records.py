@@ -97,7 +97,7 @@ def test_the_loader_renders_chat_prompts_with_the_chat_template_and_refuses_them
         want = tok(render(tok, trl_rows()[i]["prompt"]), add_special_tokens=False)["input_ids"]
         assert loader.prompt_ids[i].as_py() == want
     assert json.loads(loader.next_batch(0).column("extra_info")[0].as_py())["solution"] == 0
-    with pytest.raises(ConfigError, match=r"prompt #0 .* is a list of chat messages; set data.apply_chat_template"):
+    with pytest.raises(ConfigError, match=r"prompt of row 1 .* is a list of chat messages; set data.apply_chat_template"):
         PromptLoader(data.model_copy(update={"apply_chat_template": False}), tok, seed=0)
 
 

@@ -7,9 +7,11 @@ traceback minutes into a run:
   writable directory);
 * ``model.path`` / ``tokenizer.path`` are folders with a model config and weights / tokenizer files
   (read as files, nothing loaded);
-* a file dataset's files exist and their first rows parse and carry the fields
-  (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`); chat-message
-  prompts need ``data.apply_chat_template``; their data_sources each have a scorer route;
+* a file dataset's files exist and their first rows (``PREVIEW_ROWS`` per file) parse and carry the
+  fields (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`); on those
+  rows: chat-message prompts need ``data.apply_chat_template``, every data_source has a scorer route,
+  and every prompt, tokenized as the run will (the tokenizer is built, no model), fits
+  ``data.max_prompt_length``;
 * ``data.max_prompt_length + generate max_tokens`` fits the model's positions
   (``model.architecture.max_position_embeddings``, or ``config.json`` of ``model.path``);
 * a generate stage attached to running servers (``params.server.urls``) names one per rollout
@@ -33,17 +35,19 @@ def check_config(config) -> None:
     """Checks of the config alone (no plan needed)."""
     check_output_dir(config.trainer.output_dir)
     check_model_folders(config)
-    preview = preview_dataset(config.data.source, config.data.params)
-    if preview is not None and PROMPT_MESSAGES in preview.column_names and not config.data.apply_chat_template:
-        raise ConfigError(f"data: the prompts of dataset {config.data.source!r} are lists of chat messages; set "
-                          "data.apply_chat_template: true so the tokenizer's chat template renders them")
 
 
 def check_plan(config, plan) -> None:
     """Checks that need the planned nodes."""
     check_positions(config, plan)
     check_server_urls(config, plan)
-    check_routes(config, plan)
+    rows = preview_dataset(config.data.source, config.data.params)
+    if rows is not None:
+        if PROMPT_MESSAGES in rows.column_names and not config.data.apply_chat_template:
+            raise ConfigError(f"data: the prompts of dataset {config.data.source!r} are lists of chat messages; set "
+                              "data.apply_chat_template: true so the tokenizer's chat template renders them")
+        check_routes(rows, plan)
+        check_prompt_lengths(rows, config)
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
@@ -78,20 +82,36 @@ def check_model_folders(config) -> None:
                               "tokenizer_config.json; save the tokenizer there (tokenizer.save_pretrained)")
 
 
-def check_routes(config, plan) -> None:
-    """Every data_source of the dataset's first rows has a scorer (reward impl `rule` without a function)."""
+def check_routes(rows, plan) -> None:
+    """Every data_source of the dataset's checked rows has a scorer (reward impl `rule` without a function)."""
     reward = plan.node("reward")
     if reward is None or reward.impl != "rule" or getattr(reward.params, "function", None) is not None:
-        return
-    preview = preview_dataset(config.data.source, config.data.params)
-    if preview is None:
         return
     from rlpipe.stages.reward import resolve_routes
 
     try:
-        resolve_routes(sorted(set(preview.column("data_source").to_pylist()) - {None}), reward.params)
+        resolve_routes(sorted(set(rows.column("data_source").to_pylist()) - {None}), reward.params)
     except ConfigError as exc:
         raise ConfigError(f"stages[{reward.name}]: {exc}") from None
+
+
+def check_prompt_lengths(rows, config) -> None:
+    """Every checked row's prompt, tokenized (chat template included) as the data loader will, fits
+    ``data.max_prompt_length``; the error names the row, its length and how many more are too long."""
+    from rlpipe.backends.tokenizer import build_tokenizer
+    from rlpipe.engine.state.data import tokenize_prompts
+
+    messages = rows.column(PROMPT_MESSAGES).to_pylist() if PROMPT_MESSAGES in rows.column_names else None
+    ids = tokenize_prompts(rows.column("prompt").to_pylist(), build_tokenizer(config.tokenizer),
+                           config.data.apply_chat_template, messages)
+    limit = config.data.max_prompt_length
+    too_long = [i for i, x in enumerate(ids) if len(x) > limit]
+    if too_long:
+        first = too_long[0]
+        raise ConfigError(
+            f"data: the prompt of row {first + 1} of dataset {config.data.source!r} has {len(ids[first])} tokens > "
+            f"data.max_prompt_length={limit} ({len(too_long)} of the {len(ids)} rows checked are too long); raise "
+            "data.max_prompt_length or filter the dataset")
 
 
 def check_server_urls(config, plan) -> None:

@@ -32,7 +32,7 @@ def tokenize_prompts(texts: list[str], tokenizer, chat_template: bool,
     if not chat_template:
         first = next((i for i, m in enumerate(chats or ()) if m is not None), None)
         if first is not None:
-            raise ConfigError(f"data: prompt #{first} (and every row like it) is a list of chat messages; set "
+            raise ConfigError(f"data: the prompt of row {first + 1} (and every row like it) is a list of chat messages; set "
                               "data.apply_chat_template: true so the tokenizer's chat template renders them")
         return tokenizer(texts, add_special_tokens=False)["input_ids"]
     rendered = [render(tokenizer, chat if chat is not None else [{"role": "user", "content": text}])
@@ -54,7 +54,7 @@ class PromptLoader:
         if too_long.size:
             i = int(too_long[0])
             raise ConfigError(
-                f"data: prompt #{i} has {lens[i]} tokens > data.max_prompt_length={data.max_prompt_length} "
+                f"data: the prompt of row {i + 1} has {lens[i]} tokens > data.max_prompt_length={data.max_prompt_length} "
                 f"({too_long.size} prompts too long); raise data.max_prompt_length or filter the dataset"
             )
         if table.num_rows < data.prompts_per_step:
