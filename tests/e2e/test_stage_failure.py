@@ -129,3 +129,28 @@ def test_a_worker_stage_error_arrives_as_the_stage_error_not_rays_wrapper(ray_se
     assert "ray::" not in str(err) and len(str(err).splitlines()) == 1
     assert err.__cause__ is None and "train_state.py" in err.details  # the actor's frames, carried across Ray
     assert "train_state.py" in error_log.write(err, ["run"], str(tmp_path)).read_text()
+
+
+def test_a_worker_that_fails_to_start_names_its_real_cause(ray_session, tmp_path):
+    """A model folder that passes validate (config.json, a weight file) but whose weights do not load: the
+    workers die in their start-up, and the run's one line is the worker's own exception type and message,
+    not Ray's ActorDiedError (issue 23 item 4)."""
+    import json
+
+    from rlpipe.errors import RlpipeError
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
+                                                    "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 16,
+                                                    "num_attention_heads": 4, "intermediate_size": 64,
+                                                    "max_position_embeddings": 64}))
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    raw = quickstart_raw(data={"prompts_per_step": 4}, tracking={"enabled": False},
+                         trainer={"total_steps": 1, "output_dir": str(tmp_path / "out")})
+    raw["model"] = {"path": str(folder)}
+    with pytest.raises(RlpipeError) as info:
+        run_pipeline(validate_config(raw), "")
+    line = error_log.one_line(info.value)
+    assert "start-up" in line and "ActorDiedError" not in line, line
+    assert "safetensors" in line.lower() or "header" in line.lower(), line

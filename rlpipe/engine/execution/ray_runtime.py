@@ -24,6 +24,7 @@ import ray
 from rlpipe.engine import interrupt
 from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
+from rlpipe.engine.execution.ray_errors import actor_error_line
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
@@ -357,7 +358,15 @@ class WorkerGroup:
         return f"{self.role}[{rank}]{where}"
 
     def ready(self) -> None:
-        self.where[:] = ray.get([a.ready.remote() for a in self.actors])  # in place: views share the lists
+        """Wait until every worker has started (built its model); one that failed to is a WorkerDied naming
+        it and its own exception."""
+        refs = [a.ready.remote() for a in self.actors]
+        try:
+            self.where[:] = ray.get(refs)  # in place: views share the lists
+        except ray.exceptions.RayActorError as exc:
+            rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
+            who = f"{self.role}[{rank}]" if rank is not None else f"a {self.role} worker"
+            raise WorkerDied(f"worker {who} failed to start: {actor_error_line(exc)}") from None
         self.nodes[:] = ray.get([a.node.remote() for a in self.actors])
 
     def kill(self, rank: int) -> None:
@@ -440,7 +449,7 @@ class RayBackend:
             except ray.exceptions.RayActorError:
                 log.info("worker %s was already gone at shutdown", name)
             except Exception as exc:  # noqa: BLE001 - a failing close must not keep the others alive
-                log.warning("closing worker %s: %s", name, _first_line(exc))
+                log.warning("closing worker %s: %s", name, actor_error_line(exc))
         for group in hosts:
             for actor in group.actors:
                 ray.kill(actor)
@@ -527,7 +536,7 @@ class RayBackend:
             steps = ray.get(call.ref)
         except ray.exceptions.RayActorError as exc:
             raise WorkerDied(f"worker {group.name(0)} died while running stages {names} at step {call.step}: "
-                             f"{_first_line(exc)}") from None
+                             f"{actor_error_line(exc)}") from None
         last = steps[-1] if steps else None
         if last is not None and isinstance(last.error, StageTimeout) and stages[len(steps) - 1].role is not None:
             group.kill(0)
@@ -551,16 +560,11 @@ class RayBackend:
             rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
             who = group.name(rank) if rank is not None else f"a {role} worker"
             raise WorkerDied(f"worker {who} died while running stage {kind}/{impl} at step {ctxs[0].step}: "
-                             f"{_first_line(exc)}") from None
+                             f"{actor_error_line(exc)}") from None
 
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         group = self.groups[role]
         return shard_rows(table, group.size, group.sharded, dp_rank_column)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def get_naming_workers(refs: list[ray.ObjectRef], timeout_s: float | None,
@@ -580,7 +584,7 @@ def get_naming_workers(refs: list[ray.ObjectRef], timeout_s: float | None,
         dead = next((ref for ref in refs if _died(ref)), None)
         named = name(dead) if dead is not None else None
         who = f"worker {named[0]}" if named else "a worker"
-        raise WorkerDied(f"{who} died: {_first_line(exc)} (its log is in Ray's session folder, "
+        raise WorkerDied(f"{who} died: {actor_error_line(exc)} (its log is in Ray's session folder, "
                          "/tmp/ray/session_latest/logs, by pid)") from None
 
 
