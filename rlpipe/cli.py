@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="override a config value, e.g. -o trainer.total_steps=5 -o stages.update.params.clip_ratio=0.1")
     run = sub.choices["run"]
     run.add_argument("--resume", metavar="CHECKPOINT_DIR", default=None,
-                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every)")
+                     help="continue from <output_dir>/<run>/checkpoints/step_<N> (trainer.checkpoint_every), or "
+                          "'latest': this pipeline's newest complete checkpoint")
     run.add_argument("--fork", action="store_true",
                      help="with --resume of a finished run: go on in a new run linked to it (tag rlpipe.forked_from)")
     run.add_argument("--extend", action="store_true",
@@ -124,6 +125,10 @@ def _validate(path: str, overrides: list[str]) -> int:
     return 0
 
 
+LATEST = "latest"
+"""``--resume latest``: the newest complete checkpoint of the pipeline (rlpipe.engine.resume.latest_checkpoint)."""
+
+
 def _run(path: str, overrides: list[str], resume: str | None = None, inline: bool = False, log_every: int = 1,
          fork: bool = False, extend: bool = False, where: dict[str, str] | None = None) -> int:
     import time
@@ -137,6 +142,11 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
     config, text = load_pipeline(path, overrides)
     if where is not None:
         where["output_dir"] = config.trainer.output_dir
+    if resume == LATEST:
+        from rlpipe.engine.resume import latest_checkpoint
+
+        resume = str(latest_checkpoint(config))
+        console.print(f"resuming from {resume}", highlight=False, markup=False, soft_wrap=True)
     interrupt.install()
     started = time.time()
     progress = reporter(config.name, config.trainer.total_steps, every=log_every)

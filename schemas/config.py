@@ -143,6 +143,10 @@ class LRScheduleConfig(Strict):
     """Final LR as a fraction of the peak (cosine and linear)."""
 
 
+DEFAULT_CHECKPOINT_EVERY = 50
+"""Steps between checkpoints when trainer.checkpoint_every is not set: a crash loses at most this many."""
+
+
 class TrainerConfig(Strict):
     """The actor: how updates are made."""
 
@@ -169,9 +173,11 @@ class TrainerConfig(Strict):
     """Optimizer settings."""
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
     """Learning-rate schedule."""
-    checkpoint_every: int = Field(0, ge=0)
-    """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N> (0 = never);
-    `rlpipe run PIPELINE --resume that/folder` continues the run, in the same MLflow run."""
+    checkpoint_every: int | None = Field(None, ge=0)
+    """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N>, and one at the
+    end (0 = never); None (the default): every 50 steps (`DEFAULT_CHECKPOINT_EVERY`), or never with
+    `backend: megatron`, whose checkpoints are not implemented. `rlpipe run PIPELINE --resume latest` (or
+    `--resume that/folder`) continues the run, in the same MLflow run."""
     keep_checkpoints: int = Field(2, ge=0)
     """Keep only the newest N checkpoint folders (older ones are deleted after a save succeeds); 0 keeps all."""
     save_every: int = Field(0, ge=0)
@@ -193,6 +199,13 @@ class TrainerConfig(Strict):
     max_failed_steps: int = Field(3, ge=0)
     """Fail the run after this many consecutive steps whose every row is an infrastructure failure
     (status `failed`, e.g. the reward sandbox is down); a single such step is a warning. 0 disables."""
+
+    @model_validator(mode="after")
+    def _default_checkpoints(self) -> "TrainerConfig":
+        # decided here, once: every later reader sees a number
+        if self.checkpoint_every is None:
+            self.checkpoint_every = 0 if self.backend == "megatron" else DEFAULT_CHECKPOINT_EVERY
+        return self
 
 
 class ResourcesConfig(Strict):

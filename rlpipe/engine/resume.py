@@ -64,6 +64,21 @@ def _finished_steps(config: PipelineConfig, run_id: str, output_dir: Path) -> in
     return None
 
 
+def latest_checkpoint(config: PipelineConfig) -> Path:
+    """The newest complete checkpoint (by the time its manifest was written) of any run of this pipeline:
+    ``<trainer.output_dir>/<name>-*/checkpoints/step_*``; a clear error when there is none."""
+    root = Path(config.trainer.output_dir)
+    manifests = [m for m in root.glob(f"{config.name}-*/checkpoints/step_*/{checkpoint.MANIFEST}") if m.is_file()]
+    if not manifests:
+        every = config.trainer.checkpoint_every
+        raise ConfigError(
+            f"--resume latest: no complete checkpoint of pipeline {config.name!r} under "
+            f"{root}/{config.name}-*/checkpoints/ (checkpoints are written "
+            + (f"every trainer.checkpoint_every={every} steps" if every else "only with trainer.checkpoint_every > 0")
+            + "); pass --resume CHECKPOINT_DIR, or start the run anew")
+    return max(manifests, key=lambda m: m.stat().st_mtime_ns).parent
+
+
 def plan_resume(config: PipelineConfig, path: str, fork: bool = False, extend: bool = False) -> ResumePlan:
     """Check that resuming from ``path`` is allowed as asked; returns how the run goes on."""
     if fork and extend:

@@ -173,7 +173,7 @@ class Runtime:
 def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
                   tags: dict[str, str] | None = None) -> Observer:
     if not config.tracking.enabled:
-        return NullObserver()
+        return NullObserver(resume_run_id)  # a resumed run goes on in its own output folder
     from rlpipe.engine.tracking.process_observer import mlflow_process_observer
 
     tracking = config.tracking

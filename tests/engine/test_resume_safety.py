@@ -110,3 +110,41 @@ def test_without_tracking_the_final_model_marks_a_finished_run(tmp_path):
     with pytest.raises(ConfigError, match=r"is FINISHED \(1 steps"):
         run_pipeline(config(tmp_path, 1, None), "", inline=True,
                      resume_from=str(Path(first.output_dir) / "checkpoints" / "step_1"))
+
+
+def test_a_default_pipeline_crashed_mid_run_resumes_with_resume_latest(tmp_path):
+    """issue 23 item 5: checkpoints are on by default (every DEFAULT_CHECKPOINT_EVERY steps); a run that crashes
+    after step 52 goes on with `--resume latest` from step 50, in the same output folder."""
+    from rlpipe.schemas.config import DEFAULT_CHECKPOINT_EVERY
+
+    args = ["run", str(ROOT / "pipelines" / "quickstart.yaml"), "--inline", "-o", "name=crashy",
+            "-o", "data.prompts_per_step=2", "-o", "stages.generate.params.n=2", "-o", "tracking.enabled=false",
+            "-o", "trainer.total_steps=55", "-o", f"trainer.output_dir={tmp_path}"]
+    err = StringIO()
+    with redirect_stdout(StringIO()), redirect_stderr(err):
+        assert main([*args, "--resume", "latest"]) == 2  # nothing to resume yet: one line saying so
+    assert "--resume latest: no complete checkpoint of pipeline 'crashy'" in " ".join(err.getvalue().split())
+
+    raw = quickstart_raw(name="crashy", data={"prompts_per_step": 2}, tracking={"enabled": False},
+                         trainer={"total_steps": 55, "output_dir": str(tmp_path)})
+    raw["stages"][0]["params"] = {**raw["stages"][0]["params"], "n": 2}
+    config = validate_config(raw)
+    assert config.trainer.checkpoint_every == DEFAULT_CHECKPOINT_EVERY == 50
+
+    def crash(step, metrics):
+        if step == 52:
+            raise RuntimeError("the machine went away")
+
+    with pytest.raises(RuntimeError, match="went away"):
+        run_pipeline(config, "", inline=True, on_step=crash)
+    [run_dir] = tmp_path.glob("crashy-*")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_50"]
+
+    out, err = StringIO(), StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main([*args, "--resume", "latest"])
+    printed = out.getvalue() + err.getvalue()
+    assert code == 0, printed
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_50'}" in " ".join(printed.split())
+    assert re.search(r"done: 5 steps in ", printed), printed  # steps 50-54: at most the interval was lost
+    assert (run_dir / "final").is_dir() and (run_dir / "checkpoints" / "step_55").is_dir()

@@ -89,12 +89,15 @@ class Observer(Protocol):
 
 
 class NullObserver:
-    """Tracking off."""
+    """Tracking off. ``run_id``: the run a resume continues (its output folder is named by it), else a new id."""
+
+    def __init__(self, run_id: str | None = None):
+        self.run_id = run_id
 
     def on_run_start(self, config, pipeline_yaml, plan_summary) -> str:
         import uuid
 
-        return uuid.uuid4().hex
+        return self.run_id or uuid.uuid4().hex
 
     def on_node_end(self, record: NodeRecord) -> None:
         pass
