@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="run every stage in this process, without Ray (small runs, debugging)")
     run.add_argument("--log-every", type=int, default=1, metavar="N",
                      help="when stderr is not a terminal: one progress line every N steps (default 1)")
-    sub.add_parser("stages", help="list every kind, its registered implementations and their params")
+    stages = sub.add_parser("stages", help="every stage kind and its implementations; with KIND or KIND/IMPL: "
+                                           "their columns and params with defaults")
+    stages.add_argument("kind", nargs="?", default=None, metavar="KIND[/IMPL]",
+                        help="a stage kind (advantage), one implementation (advantage/grpo) or a registry (dataset)")
     cli_lineage.add_commands(sub)
     spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
     spool_sub = spool.add_subparsers(dest="spool_command", required=True)
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             return _spool_replay(args.path, args.tracking_uri)
         if args.command == "vllm-serve":
             return _vllm_serve(args.pipeline, args.override, args.port)
-        return _stages()
+        return _stages(args.kind)
     except RlpipeError as exc:
         if args.command != "run":  # validate and the readers: the whole message (a config's every bad field)
             # escaped: messages name fields like stages[reward], which Rich would take for markup and drop
@@ -212,31 +215,16 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
         server.close()
 
 
-def _stages() -> int:
-    from rlpipe.registry import kinds, registry
-    from rlpipe.stage import STEP_KINDS
+def _stages(kind: str | None) -> int:
+    from rlpipe import cli_stages
 
-    out = Console()
-    for kind in STEP_KINDS:
-        table = Table(title=f"stage kind: {kind}", show_lines=False)
-        for column in ("impl", "runs on", "params (default)"):
-            table.add_column(column)
-        for impl, spec in registry(f"stage.{kind}").items():
-            where = spec.role if spec.placement == "worker" else spec.placement
-            params = ", ".join(f"{n}={_default(f)}" for n, f in spec.params_model.model_fields.items())
-            table.add_row(impl, where, params or "-")
-        out.print(table)
-    for kind in kinds():
-        if not kind.startswith("stage."):
-            out.print(f"[bold]{kind}[/]: {', '.join(registry(kind).names())}")
+    text = cli_stages.detail(kind) if kind else cli_stages.overview()
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `rlpipe stages | head`: the reader stopped; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
-
-
-def _default(field) -> str:
-    if field.is_required():
-        return "(required)"
-    value = field.get_default(call_default_factory=True)
-    return repr(value)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,7 @@ def _make_impl(name: str, est: Estimator):
         return StageResult(columns=columns, metrics={f"advantage/{k}": v for k, v in metrics.items()}, carry=carry)
 
     run.__name__ = run.__qualname__ = f"advantage_{name}"
+    run.__doc__ = est.fn.__doc__  # what `rlpipe stages` says of the impl
     # Its fields and their docstrings come from the two bases; reading docstrings again would make pydantic search
     # every loaded module for this class's source (inspect.getmodule), in every process that imports the builtins.
     params = type(f"{name.title().replace('_', '')}AdvantageParams", (est.params, AdvantageStageParams), {

@@ -113,6 +113,7 @@ def _result(ranks: np.ndarray, tokens: np.ndarray, dp_size: int) -> StageResult:
 
 @stage("balance", "tokens", reads=cols(PROMPT_IDS, RESPONSE_IDS, UID), writes=cols(DP_RANK), params=TokenBalanceParams)
 def balance_tokens(batch: pa.Table, params: TokenBalanceParams, ctx: StageContext) -> StageResult:
+    """Assign each row a data-parallel rank so every rank gets the same number of rows and nearly the same tokens (prompt + response)."""
     tokens = _row_tokens(batch)
     ranks = greedy_partition(tokens, ctx.dp_size)
     if ctx.dp_size > 1 and params.refine_swaps:
@@ -122,6 +123,7 @@ def balance_tokens(batch: pa.Table, params: TokenBalanceParams, ctx: StageContex
 
 @stage("balance", "none", reads=cols(PROMPT_IDS, RESPONSE_IDS, UID), writes=cols(DP_RANK), params=NoParams)
 def balance_none(batch: pa.Table, params: NoParams, ctx: StageContext) -> StageResult:
+    """Assign each rank an equal, contiguous share of the rows in their order (no token balancing)."""
     _check_divisible(batch.num_rows, ctx.dp_size)
     ranks = (np.arange(batch.num_rows) % ctx.dp_size).astype(np.int32)
     return _result(ranks, _row_tokens(batch), ctx.dp_size)

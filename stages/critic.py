@@ -65,6 +65,7 @@ class CriticValuesParams(StageParams):
 @stage("critic_values", "critic", placement="worker", role="critic", params=CriticValuesParams,
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=cols(VALUES))  # fmt: skip
 def critic_values(state, batch: pa.Table, params: CriticValuesParams, ctx) -> StageResult:
+    """The critic's value of every response token (forward only, on the critic workers): writes ``values``."""
     size = params.micro_batch_size or state.config.trainer.micro_batch_size
     chunks = []
     micros = micro_batches(batch.num_rows, size)
@@ -96,6 +97,7 @@ class CriticLossConfig(StageParams):
 @stage("critic_update", "ppo", placement="worker", role="critic", params=CriticLossConfig, writes={},
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, VALUES, RETURNS))  # fmt: skip
 def critic_update(state, batch: pa.Table, params: CriticLossConfig, ctx) -> StageResult:
+    """PPO value-loss steps of the critic on the batch's returns (verl's clipped value loss)."""
     trainer = state.config.trainer
     prompts = state.config.data.prompts_per_step
     num_minis = prompts // (trainer.ppo_mini_batch_size or prompts)

@@ -165,6 +165,7 @@ def _digit_strings(digits: np.ndarray) -> np.ndarray:
 
 @dataset("digits", DigitsParams)
 def digits(params: DigitsParams, seed: int) -> pa.Table:
+    """Random digit strings and a digit task's answer (copy, reverse, successor, last_digit_successor)."""
     rng = np.random.default_rng(seed if params.seed is None else params.seed)
     prompt_digits = rng.integers(0, 10, size=(params.size, params.num_digits))
     prompts = np.char.add(_digit_strings(prompt_digits), "=")
@@ -181,11 +182,13 @@ class FileParams(RecordParams):
 
 @dataset("jsonl", FileParams, preview=lambda params, rows: load_files(params, read_jsonl, rows))
 def jsonl(params: FileParams, seed: int) -> pa.Table:
+    """Local JSON-lines files (TRL-style records: text or chat-message prompts, nested answer keys)."""
     return load_files(params, read_jsonl)
 
 
 @dataset("parquet", FileParams, preview=lambda params, rows: load_files(params, read_parquet, rows))
 def parquet(params: FileParams, seed: int) -> pa.Table:
+    """Local parquet files, e.g. verl's preprocessed datasets read as they are."""
     return load_files(params, read_parquet)
 
 
@@ -250,6 +253,7 @@ class Gsm8kSampleParams(DatasetParams):
 
 @dataset("gsm8k_sample", Gsm8kSampleParams)
 def gsm8k_sample(params: Gsm8kSampleParams, seed: int) -> pa.Table:
+    """Generated GSM8K-style word problems with their numeric answers (no download)."""
     rng = random.Random(params.seed)
     problems = [_problem(rng) for _ in range(params.size)]
     prompts = [f"{q} {params.instruction}".strip() for q, _ in problems]

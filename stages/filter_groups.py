@@ -40,6 +40,7 @@ def _reads(p: FilterGroupsParams) -> dict[str, pa.DataType]:
 
 @stage("filter_groups", "dapo", reads=_reads, writes={}, params=FilterGroupsParams)
 def filter_groups(batch: pa.Table, params: FilterGroupsParams, ctx: StageContext) -> StageResult:
+    """DAPO dynamic sampling: drop the groups whose valid samples all scored the same (no gradient)."""
     group = io.groups(batch)
     failed = torch.from_numpy(io.failed_rows(batch))
     metric = io.scalar(batch, params.metric)

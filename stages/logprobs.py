@@ -157,6 +157,7 @@ def _old_writes(params: OldLogProbParams) -> dict[str, pa.DataType]:
 @stage("old_log_prob", "trainer", placement="worker", role="actor", params=OldLogProbParams,
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=_old_writes)
 def recompute_old_logprobs(state, batch: pa.Table, params: OldLogProbParams, ctx) -> StageResult:
+    """π_old: the response tokens' logprobs under the trainer's current weights (forward only, verl's compute_log_prob)."""
     if not params.sum_pi_squared:
         return StageResult(columns={OLD_LOGPROBS: _score_on(state, batch, params, ctx)})
     logps, squares = _score_on(state, batch, params, ctx, with_sum_pi_squared=True)
@@ -181,4 +182,5 @@ def bypass_old_logprobs(batch: pa.Table, params, ctx) -> StageResult:
 @stage("ref", "reference", placement="worker", role="ref", params=LogProbParams,
        reads=cols(PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK), writes=cols(REF_LOGPROBS))
 def reference_logprobs(state, batch: pa.Table, params: LogProbParams, ctx) -> StageResult:
+    """The response tokens' logprobs under the frozen reference policy (for KL losses and penalties)."""
     return StageResult(columns={REF_LOGPROBS: _score_on(state, batch, params, ctx)})

@@ -38,6 +38,7 @@ class RemaxBaselineParams(RuleRewardParams):
        reads=cols(UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP),
        writes={REWARD_BASELINE: pa.float32()})
 def remax_baseline(worker, batch: pa.Table, params: RemaxBaselineParams, ctx: StageContext) -> StageResult:
+    """ReMax's baseline: decode one greedy response per prompt and score it (writes ``reward_baseline``)."""
     first, _ = groups_by_appearance(batch)
     prompts = batch.take(pa.array(first)).select(list((UID, DATA_SOURCE, GROUND_TRUTH, PROMPT_IDS, PROMPT_STEP)))
     sampling = GenerateParams(n=1, temperature=params.greedy_temperature, max_tokens=params.max_tokens)

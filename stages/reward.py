@@ -200,6 +200,7 @@ def function_scores(batch: pa.Table, ref: RewardFunction, rows: np.ndarray) -> t
     params=RuleRewardParams,
 )
 def rule_reward(batch: pa.Table, params: RuleRewardParams, ctx: StageContext) -> StageResult:
+    """Score every row with a rule-based scorer chosen by its data_source, or with the user's own reward function."""
     n = batch.num_rows
     if params.function is not None:
         return _function_reward(batch, params.function)

@@ -178,6 +178,7 @@ def unanswered(batch: pa.Table, params: WeightedRewardParams, why: str) -> Stage
 @stage("reward", "weighted", placement="worker", role="reward_model", params=WeightedRewardParams,
        reads=_reads, writes=_writes, unreachable=Unreachable(timeout_s=lambda p: p.call_timeout_s, result=unanswered))
 def weighted_reward(pool, batch: pa.Table, params: WeightedRewardParams, ctx: StageContext) -> StageResult:
+    """A weighted sum of reward families: rule scorers, a discriminative reward model, a generative judge."""
     status = batch.column(STATUS)
     failed = pc.fill_null(pc.equal(status, STATUS_FAILED), False).to_numpy(zero_copy_only=False).copy()
     columns: dict[str, pa.Array] = {}

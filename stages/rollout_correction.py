@@ -72,6 +72,7 @@ def _writes(p: RolloutCorrectionParams) -> dict[str, pa.DataType]:
     reads=cols(OLD_LOGPROBS, ROLLOUT_LOGPROBS, RESPONSE_MASK),
 )  # fmt: skip
 def rollout_correction(batch: pa.Table, params: RolloutCorrectionParams, ctx: StageContext) -> StageResult:
+    """Off-policy correction of rollout vs trainer logprobs: IS weights, rejection masks and mismatch metrics."""
     lens = io.response_lengths(batch)
     mask = io.mask_tensor(batch)
     rollout = io.require_rollout_logprobs(batch, mask.shape[1])

@@ -42,6 +42,7 @@ class StalenessGuardParams(StageParams):
 
 @stage(KIND, IMPL, reads=cols(UID, PROMPT_STEP, TOKEN_VERSIONS, STATUS), writes={}, params=StalenessGuardParams)
 def staleness_guard(batch: pa.Table, params: StalenessGuardParams, ctx: StageContext) -> StageResult:
+    """Check that no trajectory of the batch is staler than the bound the async mode promises."""
     bound = _bound(params, ctx)
     staleness = _staleness(batch, ctx.step)
     _check(batch, staleness, bound, ctx.step)

@@ -60,6 +60,7 @@ def _padded(batch: pa.Table, name: str | None, width: int, device: torch.device)
 
 @stage("update", "ppo", placement="worker", role="actor", params=PPOUpdateParams, reads=_reads, writes={})
 def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageResult:
+    """Policy-gradient (PPO-style) optimizer steps of the actor over mini- and micro-batches."""
     trainer = state.config.trainer
     prompts = state.config.data.prompts_per_step
     num_minis = prompts // (trainer.ppo_mini_batch_size or prompts)

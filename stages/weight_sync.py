@@ -138,6 +138,7 @@ def _push_result(stats: list[dict], version: float, t0: float, replica_kwargs: d
 @stage("weight_sync", "object_store", placement="driver", params=WeightSyncParams, reads={}, writes={},
        calls=PUSH_ROLES)
 def push_weights(batch, params: WeightSyncParams, ctx) -> StageResult:
+    """Push the trainer's weights to the rollout engines through Ray's object store, under a new policy version."""
     return _push(ctx, "export_for_push")
 
 

@@ -134,8 +134,25 @@ def vllm_server(tmp_path_factory):
     model = build_model(ModelConfig(architecture=ArchitectureConfig(**VLLM_ARCH)), tokenizer, 0)
     root = tmp_path_factory.mktemp("shared-vllm")
     server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name="shared-vllm")
+    _SHARED_VLLM["server"] = server
     yield server
+    _SHARED_VLLM.pop("server", None)
     server.close()
+
+
+_SHARED_VLLM = {}  # "server": the shared vLLM server while it runs, whose log a failing test's report carries
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test that used the shared vLLM server reports the server's log tail: tests attach to it
+    by URL, so their own errors cannot name its log, and CI keeps only the test output."""
+    outcome = yield
+    report = outcome.get_result()
+    server = _SHARED_VLLM.get("server")
+    if report.failed and server is not None and "vllm_server" in getattr(item, "fixturenames", ()):
+        alive = "running" if server._proc is not None and server._proc.poll() is None else "exited"
+        report.sections.append((f"shared vLLM server log ({alive}; {server.log_path})", server.log_tail(80)))
 
 
 _HANG = {"release": None}  # the Event the hanging scorer waits on; a fresh one per test

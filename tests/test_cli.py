@@ -24,27 +24,29 @@ AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
 KL_PENALTIES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 
 
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    out = StringIO()
+    with redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def stages_output() -> str:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COLUMNS", "400")  # wide enough that rich neither wraps nor folds a name
-        out = StringIO()
-        with redirect_stdout(out):
-            assert main(["stages"]) == 0
-    return out.getvalue()
+    code, out = run_cli(["stages"])
+    assert code == 0
+    return out
 
 
-def table_section(output: str, kind: str) -> str:
-    """The printed table of stage kind ``kind`` (up to the next table)."""
-    match = re.search(rf"stage kind: {re.escape(kind)} *\n", output)
-    assert match, f"no table for stage kind {kind}"
-    end = output.find("stage kind:", match.end())
-    return output[match.end() : end if end >= 0 else len(output)]
-
-
-def impl_cells(section: str) -> list[str]:
-    """First-column cells of a rich table's body rows."""
-    return re.findall(r"^│ (\S+)\s+│", section, flags=re.MULTILINE)
+def kind_section(output: str, kind: str) -> dict[str, tuple[str, str]]:
+    """The overview's lines of stage kind ``kind``: impl -> (runs on, description)."""
+    match = re.search(rf"^{re.escape(kind)}:\n((?:  .*\n)+)", output, flags=re.MULTILINE)
+    assert match, f"no section for stage kind {kind}"
+    rows = {}
+    for line in match.group(1).splitlines():
+        impl, where, description = re.match(r"  (\S+)\s+(\S+)\s+(.*)$", line).groups()
+        rows[impl] = (where, description)
+    return rows
 
 
 def listed(output: str, kind: str) -> list[str]:
@@ -54,14 +56,24 @@ def listed(output: str, kind: str) -> list[str]:
     return match.group(1).split(", ")
 
 
-def test_every_stage_kind_has_a_table_listing_its_registered_impls(stages_output):
+def test_every_stage_kind_lists_its_impls_with_where_they_run_and_a_description(stages_output):
     for kind in STEP_KINDS:
-        assert impl_cells(table_section(stages_output, kind)) == registry(f"stage.{kind}").names(), kind
+        rows = kind_section(stages_output, kind)
+        assert list(rows) == registry(f"stage.{kind}").names(), kind
+        for impl, (where, description) in rows.items():
+            spec = registry(f"stage.{kind}").get(impl)
+            assert where == (spec.role if spec.placement == "worker" else spec.placement)
+            if spec.fn.__module__.startswith("rlpipe."):  # a built-in (tests register impls of their own)
+                assert len(description) >= 20 and "``" not in description, f"{kind}/{impl}: {description!r}"
+    # the three engines share one function: each is told apart by its params model's docstring
+    engines = kind_section(stages_output, "generate")
+    assert "vLLM" in engines["vllm"][1] and "SGLang" in engines["sglang"][1]
+    assert len(stages_output.splitlines()) < 100
 
 
 def test_the_advantage_stage_lists_every_estimator(stages_output):
     assert set(ESTIMATORS) <= set(registry("stage.advantage").names())
-    assert set(ESTIMATORS) <= set(impl_cells(table_section(stages_output, "advantage")))
+    assert set(ESTIMATORS) <= set(kind_section(stages_output, "advantage"))
     assert set(ESTIMATORS) <= set(listed(stages_output, "advantage_estimator"))
 
 
@@ -76,10 +88,37 @@ def test_named_registries_are_listed(stages_output, kind, expected):
     assert listed(stages_output, kind) == names
 
 
-def test_the_update_stage_shows_its_param_defaults(stages_output):
-    section = table_section(stages_output, "update")
-    for text in ("policy_loss='vanilla'", "loss_agg_mode='token-mean'", "clip_ratio=0.2", "use_kl_loss=False"):
-        assert text in section
+def test_one_impl_shows_its_columns_and_every_nested_default():
+    code, out = run_cli(["stages", "update/ppo"])
+    assert code == 0
+    assert out.startswith("update/ppo  (runs on: actor)\n")
+    reads = re.search(r"^  reads: (.*)$", out, flags=re.MULTILINE).group(1)
+    assert "advantages (list<item: float>)" in reads and "old_logprobs (list<item: float>)" in reads
+    assert re.search(r"^  writes: -$", out, flags=re.MULTILINE)
+    for line in ('    policy_loss: "vanilla"  # Registered policy loss', "    clip_ratio: 0.2  # PPO clip",
+                 "    use_kl_loss: false", "    bypass:  # bypass_mode",  # a nested model, spelled out below
+                 '      loss_type: "ppo_clip"', "      rollout_is_threshold: 2.0"):
+        assert f"\n{line}" in out, line
+    # "Dr. GRPO" inside a field's first sentence does not end it
+    assert "(Dr. GRPO: the max response length)" in out
+
+
+def test_a_kind_shows_every_impl_and_a_registry_its_parts():
+    code, out = run_cli(["stages", "advantage"])
+    assert code == 0
+    headers = re.findall(r"^advantage/(\S+)  \(runs on", out, flags=re.MULTILINE)
+    assert headers == registry("stage.advantage").names()
+    assert "writes: advantages (list<item: float>), returns (list<item: float>)" in out
+    code, out = run_cli(["stages", "dataset/hf"])
+    assert code == 0 and out.startswith("dataset: hf\n") and "  prompt_key: " in out
+
+
+@pytest.mark.parametrize("query, hint", [("advantge", "did you mean 'advantage'?"),
+                                         ("advantage/grpoo", "did you mean 'grpo'?")])
+def test_an_unknown_kind_or_impl_exits_two_with_a_did_you_mean(query, hint, capsys):
+    assert main(["stages", query]) == 2
+    err = capsys.readouterr().err
+    assert hint in err and "known:" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.slow

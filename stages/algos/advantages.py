@@ -149,6 +149,7 @@ def reverse_scan(x: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Ten
 
 @estimator("gae", GAEParams, needs=("values",))
 def gae(token_rewards, mask, group, p: GAEParams, values):
+    """GAE advantages (whitened) and returns from the critic's values (PPO)."""
     adv = torch.zeros_like(values)
     last, next_value = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):  # masked positions (tool tokens) carry both through
@@ -163,6 +164,7 @@ def gae(token_rewards, mask, group, p: GAEParams, values):
 @estimator("dr_grpo", DrGRPOParams, grouped=True)
 @estimator("grpo", GroupNormParams, grouped=True)
 def grpo(token_rewards, mask, group, p: GroupNormParams):
+    """GRPO: each sample's score minus its group's mean, divided by the group's std (dr_grpo: not divided)."""
     scores = sequence_scores(token_rewards)
     mean, std, _ = group_mean_std(scores, group)
     centered = scores - mean
@@ -171,6 +173,7 @@ def grpo(token_rewards, mask, group, p: GroupNormParams):
 
 @estimator("grpo_passk", GroupNormParams, grouped=True)
 def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
+    """Pass@k GRPO: only each group's best sample gets an advantage, its margin over the second best."""
     scores = sequence_scores(token_rewards)
     counts = group_count(group)
     if bool((counts < 2).any()):
@@ -191,6 +194,7 @@ def grpo_passk(token_rewards, mask, group, p: GroupNormParams):
 
 @estimator("rloo", grouped=True)
 def rloo(token_rewards, mask, group, p):
+    """RLOO: each sample's score minus the mean score of the other samples of its prompt."""
     scores = sequence_scores(token_rewards)
     mean, _, n = group_mean_std(scores, group)
     loo = (scores - mean) * n / (n - 1).clamp(min=1)
@@ -199,6 +203,7 @@ def rloo(token_rewards, mask, group, p):
 
 @estimator("opo", grouped=True)
 def opo(token_rewards, mask, group, p):
+    """OPO: the group baseline is the length-weighted mean score (optimal baseline for sequence rewards)."""
     scores = sequence_scores(token_rewards)
     lengths = mask.sum(dim=-1).to(scores.dtype)
     baseline = group_sum(lengths * scores, group) / group_sum(lengths, group)
@@ -209,12 +214,14 @@ def opo(token_rewards, mask, group, p):
 
 @estimator("reinforce_plus_plus", DiscountParams)
 def reinforce_plus_plus(token_rewards, mask, group, p: DiscountParams):
+    """REINFORCE++: discounted returns whitened over the whole batch."""
     returns = reverse_scan(token_rewards, mask, p.gamma) * mask
     return masked_whiten(returns, mask) * mask, returns
 
 
 @estimator("reinforce_plus_plus_baseline", grouped=True)
 def reinforce_plus_plus_baseline(token_rewards, mask, group, p):
+    """REINFORCE++ with a group-mean baseline, then whitened over the batch."""
     scores = sequence_scores(token_rewards)
     mean, _, _ = group_mean_std(scores, group)
     adv = (scores - mean).unsqueeze(-1) * mask
@@ -224,12 +231,14 @@ def reinforce_plus_plus_baseline(token_rewards, mask, group, p):
 
 @estimator("remax", needs=("reward_baselines",))
 def remax(token_rewards, mask, group, p, reward_baselines):
+    """ReMax: each sample's score minus the score of its prompt's greedy response."""
     returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
     return returns - reward_baselines.unsqueeze(-1) * mask, returns
 
 
 @estimator("gpg", GPGParams, grouped=True)
 def gpg(token_rewards, mask, group, p: GPGParams):
+    """GPG: group-centered scores times the batch size over its count of nonzero scores, over f_norm."""
     scores = sequence_scores(token_rewards)
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)
     mean, _, _ = group_mean_std(scores, group)
@@ -238,6 +247,7 @@ def gpg(token_rewards, mask, group, p: GPGParams):
 
 @estimator("gdpo", GDPOParams, needs=("reward_components",), grouped=True)
 def gdpo(token_rewards, mask, group, p: GDPOParams, reward_components=None):
+    """GDPO: each reward component normalized within its group, then weighted and summed."""
     components = sequence_scores(token_rewards).unsqueeze(-1) if reward_components is None else reward_components
     weights = p.reward_weights or [1.0] * components.shape[1]
     total = torch.zeros_like(components[:, 0])

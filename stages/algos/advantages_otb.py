@@ -78,6 +78,7 @@ def _inputs(token_rewards, mask, old_log_probs, sum_pi_squared, is_weights):
            grouped=True)
 @torch.no_grad()
 def optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_probs, sum_pi_squared, is_weights=None):
+    """Optimal token baseline: per position, the group's returns weighted by each row's path variance."""
     returns, cumulative = _inputs(token_rewards, mask, old_log_probs, sum_pi_squared, is_weights)
     lengths = mask.sum(-1).long()
     base = _baseline(returns, cumulative, mask, group, lengths, p, torch.ones_like(lengths, dtype=torch.bool))
@@ -89,6 +90,7 @@ def optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_pro
 @torch.no_grad()
 def tir_optimal_token_baseline(token_rewards, mask, group, p: OTBParams, old_log_probs, sum_pi_squared,
                                is_weights=None):
+    """Optimal token baseline over each row's model tokens only (tool tokens removed): for multi-turn rows."""
     returns, cumulative = _inputs(token_rewards, mask, old_log_probs, sum_pi_squared, is_weights)
     lengths = mask.sum(-1).long()
     slot = (mask.cumsum(-1) - 1).clamp(min=0).long()  # j-th valid token of its row

@@ -49,7 +49,8 @@ def model(seed):
 
 @pytest.fixture(scope="module")
 def engine(vllm_server, tmp_path_factory):
-    eng = build_vllm_engine(model(0), TOK, VLLMParams(urls=[vllm_server.url]), rank=0,
+    # a call the server never answers fails in 2 minutes, not the default 10 (the tests' calls take seconds)
+    eng = build_vllm_engine(model(0), TOK, VLLMParams(urls=[vllm_server.url], request_timeout_s=120), rank=0,
                             workdir=tmp_path_factory.mktemp("vllm"))
     TRAINER["model"] = model(0)  # the weights the server holds, for forward recomputation
     yield eng
