@@ -38,3 +38,6 @@ import rlpipe.engine.state.replay_buffer  # noqa: F401
 import rlpipe.modes.sync  # noqa: F401
 import rlpipe.modes.separate_async  # noqa: F401
 import rlpipe.modes.colocate_async  # noqa: F401
+
+# Metric loggers beside MLflow (tracking.loggers).
+import rlpipe.engine.tracking.metric_loggers  # noqa: F401

@@ -49,6 +49,10 @@ class TokenizerConfig(Strict):
     """Build a character-level tokenizer over these characters (plus <pad>, <bos>, <eos>)."""
     byte_level: bool = False
     """Build a byte-level BPE-free tokenizer (256 byte tokens plus specials)."""
+    chat_template: str | None = None
+    """Chat template of the `byte_level` tokenizer: `chatml` (the `<|im_start|>role ... <|im_end|>` layout of
+    Qwen2.5's instruct models, spelled in bytes: a CPU twin of a Qwen pipeline renders prompts the same way)
+    or a Jinja template. None: rlpipe's compact default (rlpipe.agents.chat). A `path` tokenizer keeps its own."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "TokenizerConfig":
@@ -58,6 +62,9 @@ class TokenizerConfig(Strict):
                 "tokenizer needs exactly one source: set `path` (a local HF tokenizer directory), "
                 f"`chars` (a character vocabulary) or `byte_level: true`; got {given or 'none'}"
             )
+        if self.chat_template is not None and not self.byte_level:
+            raise ValueError("tokenizer.chat_template is for `byte_level: true` (a `path` tokenizer has its own; "
+                             "`chars` cannot spell a template's markers): drop it or use byte_level")
         return self
 
 
@@ -277,6 +284,20 @@ class ResourcesConfig(Strict):
         return self
 
 
+class WandbSettings(Strict):
+    """The W&B run of `tracking.loggers: [wandb]`."""
+
+    mode: Literal["offline", "online"] = "offline"
+    """offline: the run is written under <output_dir>/<run>/wandb with no network (`wandb sync` uploads it);
+    online: logged to the W&B server as it goes (needs `wandb login` or WANDB_API_KEY)."""
+    project: str | None = None
+    """W&B project; None = tracking.experiment."""
+    entity: str | None = None
+    """W&B entity (user or team); None = the account's default."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags of the W&B run."""
+
+
 class TrackingConfig(Strict):
     """MLflow tracking and lineage."""
 
@@ -319,6 +340,12 @@ class TrackingConfig(Strict):
     http_max_retries: int = Field(2, ge=0, le=10)
     """Retries of a failed HTTP request to a tracking server (MLflow's MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     default 7: minutes of backoff per call; the environment variable wins when set)."""
+    loggers: list[str] = Field(default_factory=list)
+    """More dashboards for the same per-step metrics (registry `metric_logger`): `tensorboard` (event files in
+    <output_dir>/<run>/tensorboard) and `wandb` (see `wandb`). MLflow stays the lineage store; they work with
+    `enabled: false` too. Install them with `pip install 'rlpipe[loggers]'`."""
+    wandb: WandbSettings = Field(default_factory=WandbSettings)
+    """Settings of the `wandb` logger."""
 
 
 class StageConfig(Strict):

@@ -11,7 +11,8 @@ formats too: :mod:`rlpipe.stages.dataset_records`) and
 calculator tool), ``gsm8k_sample`` (templated GSM8K-style word problems with integer answers,
 generated deterministically; ``pipelines/data/gsm8k_sample.jsonl`` holds 100, made by
 ``python -c "from rlpipe.stages.datasets import *; write_jsonl(load_dataset('gsm8k_sample',
-{'size': 100}, 0), 'pipelines/data/gsm8k_sample.jsonl')"``).
+{'size': 100}, 0), 'pipelines/data/gsm8k_sample.jsonl')"``; the same 100 in verl's layout,
+``pipelines/data/gsm8k_sample_verl.parquet``, by ``write_verl_parquet`` in place of ``write_jsonl``).
 
 A dataset may add the string columns ``prompt_messages`` (a chat prompt's messages, JSON),
 ``extra_info`` (JSON details for the reward function) and ``agent``; they are kept.
@@ -204,6 +205,21 @@ def write_jsonl(table: pa.Table, path: str | Path) -> None:
     with Path(path).open("w", encoding="utf-8") as f:
         for row in table.to_pylist():
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_verl_parquet(table: pa.Table, path: str | Path, data_source: str = "openai/gsm8k",
+                       split: str = "train") -> None:
+    """Write a text dataset in verl's preprocessed layout (what verl's examples/data_preprocess scripts write):
+    ``data_source``, ``prompt`` as one user message, ``ability``, ``reward_model: {style, ground_truth}`` and
+    ``extra_info: {split, index}``. The ``parquet`` dataset reads it back with
+    ``answer_key: reward_model.ground_truth`` and ``data.apply_chat_template: true``."""
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": data_source, "prompt": [{"role": "user", "content": row["prompt"]}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": row["ground_truth"]},
+             "extra_info": {"split": split, "index": i}} for i, row in enumerate(table.to_pylist())]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
 
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -12,8 +12,8 @@ Three sources, exactly one per config:
 
 Built tokenizers share the special tokens ``<pad>`` (id 0), ``<bos>``, ``<eos>``
 and ``<unk>`` (ids 1-3). Left out on purpose: no post-processor, so encoding adds
-no special tokens (prompt builders add ``<bos>`` themselves if they want it), and
-no chat template.
+no special tokens (prompt builders add ``<bos>`` themselves if they want it). A
+byte-level tokenizer takes ``chat_template`` (``chatml``: :data:`CHATML_TEMPLATE`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ from rlpipe.schemas.config import TokenizerConfig
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 
+CHATML_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""ChatML, the message layout of Qwen2.5's instruct models (without their default system message)."""
+
 
 def build_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
     """The tokenizer ``cfg`` describes, with ``pad_token`` and ``eos_token`` set."""
@@ -36,7 +44,10 @@ def build_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
         return _load_local(cfg.path)
     if cfg.chars is not None:
         return _wrap(_char_level(cfg.chars))
-    return _wrap(_byte_level())
+    tokenizer = _wrap(_byte_level())
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = CHATML_TEMPLATE if cfg.chat_template == "chatml" else cfg.chat_template
+    return tokenizer
 
 
 def _special_vocab() -> dict[str, int]:

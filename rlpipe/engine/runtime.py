@@ -24,6 +24,7 @@ from rlpipe.engine.state import checkpoint
 from rlpipe.engine.state.data import PromptLoader
 from rlpipe.engine.execution.executor import Backend, StepExecutor
 from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
+from rlpipe.engine.tracking.metric_loggers import with_metric_loggers
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.tracking.spool import SPOOL_NAME
@@ -215,6 +216,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     resumed = resume.state if resume else None
     phase("starting MLflow tracking" if config.tracking.enabled else "planning")
     observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
+    observer = with_metric_loggers(observer, config)
     run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
     runtime = backend = None
     started = time.time()

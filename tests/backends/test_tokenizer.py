@@ -51,3 +51,20 @@ def test_save_and_reload_from_a_local_directory(tmp_path, cfg):
 def test_missing_directory_says_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="not a directory.*nothing is downloaded"):
         build_tokenizer(TokenizerConfig(path=str(tmp_path / "nope")))
+
+
+def test_a_byte_level_tokenizer_renders_chatml_and_keeps_it_when_saved(tmp_path):
+    from rlpipe.agents.chat import render
+
+    tok = build_tokenizer(TokenizerConfig(byte_level=True, chat_template="chatml"))
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    text = render(tok, convo)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text  # bytes: every marker round-trips
+    tok.save_pretrained(tmp_path)  # what a run saves with its model, and a CPU twin's vLLM server loads
+    assert render(build_tokenizer(TokenizerConfig(path=str(tmp_path))), convo) == text
+
+
+def test_a_chat_template_needs_the_byte_level_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer.chat_template is for `byte_level: true`"):
+        TokenizerConfig(chars="abc", chat_template="chatml")

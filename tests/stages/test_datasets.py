@@ -156,6 +156,21 @@ def test_shipped_gsm8k_sample_file_matches_the_generator():
     assert shipped.equals(load_dataset("gsm8k_sample", {"size": 100}, 0))
 
 
+def test_shipped_verl_sample_is_the_generators_problems_in_verls_layout(tmp_path):
+    from rlpipe.stages.datasets import write_verl_parquet
+
+    write_verl_parquet(load_dataset("gsm8k_sample", {"size": 100}, 0), tmp_path / "made.parquet")
+    shipped = REPO / "pipelines/data/gsm8k_sample_verl.parquet"
+    assert pq.read_table(shipped).equals(pq.read_table(tmp_path / "made.parquet"))
+    params = {"path": str(shipped), "answer_key": "reward_model.ground_truth"}
+    table = load_dataset("parquet", params, 0)
+    source = load_dataset("gsm8k_sample", {"size": 100}, 0)
+    assert table.column("prompt").equals(source.column("prompt"))
+    assert table.column("ground_truth").equals(source.column("ground_truth"))
+    assert set(table.column("data_source").to_pylist()) == {"openai/gsm8k"}
+    assert json.loads(table.column("extra_info")[7].as_py()) == {"split": "train", "index": 7}
+
+
 def test_arithmetic_dataset_answers_its_prompts():
     from rlpipe.stages.datasets import load_dataset
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from rlpipe.engine.planning import preflight
 from rlpipe.engine.planning.config_io import message, shown
 from rlpipe.engine.tracking.lineage import params_hash
+from rlpipe.engine.tracking.metric_loggers import check_loggers
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import PROMPT_COLUMNS, column_type
@@ -111,6 +112,7 @@ def build_plan(config: PipelineConfig) -> Plan:
     check_colocation(config, sync.impl if sync else None)
     mode_cls.check(config, plan)
     registry("trainer_backend").get(config.trainer.backend).check(config)
+    check_loggers(config)
     for role in config.resources.placement:  # an unknown role raises, listing the known ones
         registry("worker_role").get(role)
     for node in nodes:
