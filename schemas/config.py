@@ -275,6 +275,10 @@ class ResourcesConfig(Strict):
     runtime make (engine sleep and wake, checkpoint save and load, the final model's save, a deferred weight
     push settling). Past it the run fails with one line naming the workers (role, rank, pid) that did not
     answer and the method. The node calls themselves are bounded by each stage's `timeout_s`."""
+    worker_start_timeout_s: float = Field(1800.0, gt=0)
+    """Longest the run waits for its workers to start (Ray placing them, each building its model or starting its
+    engine server); past it the run fails with one line naming the workers that had not started. What the
+    workers ask Ray for (GPUs, placement resources) is checked against the cluster before any starts."""
 
     @model_validator(mode="after")
     def _gpus_need_cuda(self) -> "ResourcesConfig":

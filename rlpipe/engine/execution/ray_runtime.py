@@ -26,6 +26,7 @@ from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.ray_errors import actor_error_line
 from rlpipe.engine.execution.wire import register_arrow_ipc
+from rlpipe.engine.execution.worker_start import Demand, check_demand, wait_started
 from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
@@ -290,14 +291,16 @@ class WorkerGroup:
 
     def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
                  node_resource: str | None = None, gpus: float = 0, shipped: ShippedDirs | None = None,
-                 hosted: tuple[str, ...] = ()):
+                 hosted: tuple[str, ...] = (), start_timeout_s: float | None = None):
         self.role = role
         self.sharded = sharded
         self.placement_group = None
+        self.start_timeout_s = start_timeout_s
+        """Bound on the workers' start (resources.worker_start_timeout_s; None: unbounded)."""
         options: list[dict] = [{} for _ in range(size)]
         address = None
         if sharded and size > 1:
-            address, options = self._pack(size, node_resource, gpus)
+            address, options = self._pack(size, node_resource, gpus, start_timeout_s, role)
         elif node_resource:
             options = [{"resources": {node_resource: PLACEMENT_SHARE}} for _ in range(size)]
         for option in options:  # Ray gives each such worker its own GPU (CUDA_VISIBLE_DEVICES)
@@ -327,7 +330,8 @@ class WorkerGroup:
         other.role, other.sharded = role, sharded
         return other
 
-    def _pack(self, size: int, node_resource: str | None, gpus: float = 0) -> tuple[str, list[dict]]:
+    def _pack(self, size: int, node_resource: str | None, gpus: float = 0, timeout_s: float | None = None,
+              role: str = "sharded") -> tuple[str, list[dict]]:
         """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's; with
         ``gpus`` per rank) and the gloo rendezvous address on that node."""
         from ray.util.placement_group import placement_group
@@ -337,7 +341,7 @@ class WorkerGroup:
         if gpus:
             bundle["GPU"] = gpus
         self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
-        ray.get(self.placement_group.ready())
+        wait_started([self.placement_group.ready()], [f"{role}[0..{size - 1}] (their placement group)"], timeout_s)
         strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                       for rank in range(size)]
         address = ray.get(_node_address.options(scheduling_strategy=strategies[0]).remote())
@@ -361,6 +365,7 @@ class WorkerGroup:
         """Wait until every worker has started (built its model); one that failed to is a WorkerDied naming
         it and its own exception."""
         refs = [a.ready.remote() for a in self.actors]
+        wait_started(refs, [self.name(rank) for rank in range(self.size)], self.start_timeout_s)
         try:
             self.where[:] = ray.get(refs)  # in place: views share the lists
         except ray.exceptions.RayActorError as exc:
@@ -405,15 +410,20 @@ class RayBackend:
         config_dict = config.model_dump(mode="json")
         colocated = {group[0]: group for group in colocated_groups(config, roles)}
         guests = {role for group in colocated.values() for role in group[1:]}
-        groups = {}
+        groups, starts = {}, {}
         for role in sorted(roles - guests):
             hosted = colocated.get(role, (role,))
             specs = [WORKER_ROLES.get(r) for r in hosted]
-            spec = specs[0]
             gpus = config.resources.gpus_per_worker if any(s.holds_model for s in specs) else 0
-            place = next((config.resources.placement[r] for r in hosted if r in config.resources.placement), None)
-            groups[role] = WorkerGroup(role, spec.size(config), spec.sharded, config_dict,
-                                       max(s.max_concurrency for s in specs), place, gpus, shipped, hosted)
+            placed = next(((r, config.resources.placement[r]) for r in hosted if r in config.resources.placement), None)
+            starts[role] = (specs, Demand(hosted, specs[0].size(config), gpus, placed))
+        # refused before any worker exists: Ray would keep such workers pending forever
+        check_demand([d for _, d in starts.values()], ray.cluster_resources(), config.resources.gpus_per_worker)
+        for role, (specs, demand) in starts.items():
+            groups[role] = WorkerGroup(role, demand.size, specs[0].sharded, config_dict,
+                                       max(s.max_concurrency for s in specs),
+                                       demand.placement[1] if demand.placement else None, demand.gpus, shipped,
+                                       demand.roles, config.resources.worker_start_timeout_s)
         for host, hosted in colocated.items():
             for role in hosted[1:]:
                 groups[role] = groups[host].view(role, WORKER_ROLES.get(role).sharded)
