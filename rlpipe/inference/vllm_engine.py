@@ -41,11 +41,12 @@ none is open.
 
 Weights (``load_weights``): buckets are checked (checksum, names, shapes,
 dtypes, full coverage) before anything is sent; each bucket's bytes go to one
-file in ``/dev/shm`` (``transport_s``); ``/start_weight_update``, one
+file in ``/dev/shm`` (``transport_s``); ``/pause?mode=keep`` (unless asleep),
+``/start_weight_update``, one
 ``/update_weights`` per bucket through rlpipe's ``rlpipe_shm`` weight-transfer
 backend (:mod:`rlpipe.inference.vllm_weight_transfer`; vLLM's own ``ipc`` backend
 is CUDA IPC only), ``/finish_weight_update`` and ``/update_weight_version``
-(``load_s``); ``/reset_prefix_cache`` (``cache_reset_s``). The server stamps tokens
+and ``/resume`` (``load_s``); ``/reset_prefix_cache`` (``cache_reset_s``). The server stamps tokens
 with the version string it holds; those stamps become ``versions``.
 
 Sleep: ``/sleep`` (level 1, or 2 with ``discard_weights``) and ``/wake_up``. vLLM's
@@ -75,6 +76,7 @@ worker still polls its queue (about a fifth of a core).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -293,12 +295,27 @@ class VLLMEngine(RolloutEngine):
         start = time.perf_counter()
         files = [self._write(bucket, i) for i, bucket in enumerate(buckets)]
         written = time.perf_counter()
+        # The scheduler is paused around the reload (vLLM's /pause, mode keep): between start and finish the
+        # model is half old, half new, and a request that reached the server after the caller's abort (another
+        # client of an attached server, a call still in transit) must not be decoded on it. Asleep, it is
+        # paused already, and a /resume would wake its scheduler.
+        paused = not self._asleep
         try:
+            if paused:
+                self.server.request("POST", "/pause?mode=keep&clear_cache=false")
             self.server.request("POST", "/start_weight_update")
             for path, bucket in zip(files, buckets):
                 self.server.request("POST", "/update_weights", {"update_info": _update_info(path, bucket)})
             self.server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
             self.server.request("POST", "/update_weight_version", {"new_version": str(version)})
+        except BaseException:
+            if paused:
+                with contextlib.suppress(EngineError):  # a dead server: the original error says so
+                    self.server.request("POST", "/resume")
+            raise
+        else:
+            if paused:
+                self.server.request("POST", "/resume")
         finally:
             for path in files:
                 path.unlink(missing_ok=True)
