@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -131,7 +133,7 @@ def test_a_worker_stage_error_arrives_as_the_stage_error_not_rays_wrapper(ray_se
     assert "train_state.py" in error_log.write(err, ["run"], str(tmp_path)).read_text()
 
 
-def test_a_worker_that_fails_to_start_names_its_real_cause(ray_session, tmp_path):
+def test_a_worker_that_fails_to_start_names_its_real_cause(ray_session, tmp_path, capfd):
     """A model folder that passes validate (config.json, a weight file) but whose weights do not load: the
     workers die in their start-up, and the run's one line is the worker's own exception type and message,
     not Ray's ActorDiedError (issue 23 item 4)."""
@@ -154,3 +156,7 @@ def test_a_worker_that_fails_to_start_names_its_real_cause(ray_session, tmp_path
     line = error_log.one_line(info.value)
     assert "start-up" in line and "ActorDiedError" not in line, line
     assert "safetensors" in line.lower() or "header" in line.lower(), line
+    assert re.search(r"\(at \S+\.py:\d+ in \w+\)", line), line  # where the worker's exception was raised
+    # and the terminal holds no Ray traceback of a failed creation task above that line (the worker kept its
+    # exception for its first call instead of raising it from __init__)
+    assert "creation task" not in capfd.readouterr().err

@@ -24,7 +24,7 @@ import ray
 from rlpipe.engine import interrupt
 from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
-from rlpipe.engine.execution.ray_errors import actor_error_line
+from rlpipe.engine.execution.ray_errors import actor_error_line, startup_error_line
 from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.engine.execution.worker_start import Demand, check_demand, wait_started
 from rlpipe.engine.files.ship import ShippedDirs, localize
@@ -91,29 +91,44 @@ class WorkerActor:
 
     def __init__(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
                  dist_address: str | None, shipped: ShippedDirs | None = None):
-        load_plugins()
-        register_arrow_ipc()
-        logging.basicConfig(level=logging.INFO)
         roles = (roles,) if isinstance(roles, str) else tuple(roles)
         self.role = "+".join(roles)
         self.rank = rank
         self.local_dirs: dict[str, str] = {}
         """Model folders this worker reads from its node's cache instead of the driver's path (driver → local)."""
+        self.peers: Peers | None = None
+        """Every role's workers (:meth:`meet_peers`), for driver stages run in this worker's chain calls."""
+        self.states: dict[str, Any] = {}
+        """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous); after a
+        failed start, those built (close() releases them: an engine server one of them started)."""
+        self.start_error: Exception | None = None
+        """What the start-up raised; :meth:`ready` raises it. An ``__init__`` that raised would make Ray print the
+        whole traceback on the driver's terminal above the run's own one-line error."""
+        try:
+            self._start(roles, rank, world_size, config, dist_address, shipped)
+        except Exception as exc:  # noqa: BLE001 - every start-up failure is reported the same way, by ready()
+            self.start_error = exc
+
+    def _start(self, roles: tuple[str, ...], rank: int, world_size: int, config: dict, dist_address: str | None,
+               shipped: ShippedDirs | None) -> None:
+        load_plugins()
+        register_arrow_ipc()
+        logging.basicConfig(level=logging.INFO)
         if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
             config, self.local_dirs = localize(config, shipped)
         parsed = PipelineConfig.model_validate(config)
-        self.states = {role: WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address) for role in roles}
-        """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous)."""
+        for role in roles:
+            self.states[role] = WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address)
         self.state = self.states[roles[0]]
-        self.peers: Peers | None = None
-        """Every role's workers (:meth:`meet_peers`), for driver stages run in this worker's chain calls."""
         if len(self.states) > 1:  # colocated states may work with each other in memory
             for state in self.states.values():
                 if callable(meet := getattr(state, "colocated_with", None)):
                     meet(self.states)
 
     def ready(self) -> str:
-        """Where this worker runs (pid and host), for messages that name it."""
+        """Where this worker runs (pid and host), for messages that name it; what its start-up raised, if it did."""
+        if self.start_error is not None:
+            raise self.start_error
         return f"pid {os.getpid()} on {socket.gethostname()}"
 
     def node(self) -> str:
@@ -365,13 +380,16 @@ class WorkerGroup:
         """Wait until every worker has started (built its model); one that failed to is a WorkerDied naming
         it and its own exception."""
         refs = [a.ready.remote() for a in self.actors]
-        wait_started(refs, [self.name(rank) for rank in range(self.size)], self.start_timeout_s)
-        try:
-            self.where[:] = ray.get(refs)  # in place: views share the lists
-        except ray.exceptions.RayActorError as exc:
-            rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
-            who = f"{self.role}[{rank}]" if rank is not None else f"a {self.role} worker"
-            raise WorkerDied(f"worker {who} failed to start: {actor_error_line(exc)}") from None
+
+        def started(rank: int, ref: ray.ObjectRef) -> None:  # as each answers: a failed rank fails the start now,
+            try:  # not after its peers' rendezvous times out
+                self.where[rank] = ray.get(ref)  # in place: views share the list
+            except ray.exceptions.RayTaskError as exc:  # its start-up raised (WorkerActor.start_error)
+                raise WorkerDied(f"worker {self.role}[{rank}] failed to start: {startup_error_line(exc)}") from None
+            except ray.exceptions.RayActorError as exc:  # its process died (killed, out of memory)
+                raise WorkerDied(f"worker {self.role}[{rank}] failed to start: {actor_error_line(exc)}") from None
+
+        wait_started(refs, [self.name(rank) for rank in range(self.size)], self.start_timeout_s, started)
         self.nodes[:] = ray.get([a.node.remote() for a in self.actors])
 
     def kill(self, rank: int) -> None:

@@ -11,8 +11,9 @@ cluster's workers wait for others to finish, within the bound).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from rlpipe.errors import ConfigError, RlpipeError
 
@@ -57,15 +58,25 @@ def check_demand(demands: Sequence[Demand], cluster: dict[str, float], gpus_per_
             "resources.device: cpu runs on CPUs), or start Ray on machines with enough GPUs")
 
 
-def wait_started(refs: list, names: Sequence[str], timeout_s: float) -> None:
-    """Wait until every ``refs`` (one ``ready`` call per worker) has an answer; past ``timeout_s`` a
-    WorkerStartTimeout names the workers still starting. Answers are not read here (errors surface at ``ray.get``)."""
+def wait_started(refs: list, names: Sequence[str], timeout_s: float | None,
+                 on_answer: Callable[[int, Any], None] | None = None) -> None:
+    """Wait until every one of ``refs`` (one call per worker) has an answer, handing each to ``on_answer(index,
+    ref)`` as it comes (which may raise: a failed worker ends the wait at once); past ``timeout_s`` (None: no
+    bound) a WorkerStartTimeout names the workers still starting."""
     import ray
 
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [name for name, ref in zip(names, refs) if ref in pending]
-        raise WorkerStartTimeout(
-            f"worker(s) {', '.join(late)} did not start within resources.worker_start_timeout_s={timeout_s:g} s "
-            "(building the model or starting its engine server takes longer, or hangs; `ray status` shows whether "
-            "Ray could place them); raise it with -o resources.worker_start_timeout_s=SECONDS")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    index = {ref: i for i, ref in enumerate(refs)}
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            raise WorkerStartTimeout(
+                f"worker(s) {', '.join(names[index[ref]] for ref in pending)} did not start within "
+                f"resources.worker_start_timeout_s={timeout_s:g} s (building the model or starting its engine server "
+                "takes longer, or hangs; `ray status` shows whether Ray could place them); raise it with "
+                "-o resources.worker_start_timeout_s=SECONDS")
+        if on_answer is not None:
+            for ref in done:
+                on_answer(index[ref], ref)
