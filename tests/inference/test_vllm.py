@@ -22,7 +22,6 @@ from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingPa
 from rlpipe.inference.vllm_engine import VLLMParams, build_vllm_engine
 from rlpipe.inference.vllm_server import vllm_python
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
-from vllm_probe import StreamingProbe
 
 
 def _no_vllm() -> str | None:
@@ -250,20 +249,25 @@ def test_the_rollout_service_drives_the_engine_across_a_push(engine):
     # took seconds on a loaded CI box, and every request had ended before the push (nothing aborted)
     new = model(4)
     buckets = export_buckets(new)
-    # On a starved machine every request can still end before the push arrives (seen once in three runs with two
-    # busy-loop processes on the 2 cores), or the aborted ones can be only those still waiting, with no token yet
-    # (seen under three test workers): then the push is not mid-generation and proves nothing, so it is tried
-    # again with fresh requests, at most three times; what is checked below holds for the try that cut a response
+    # The push must land mid-generation. Pacing it by the server's progress failed under load: the server's API
+    # process (metrics, streams, the abort) starves while its engine core decodes on, and every 1500-token
+    # request ended before the push arrived (a streaming probe was itself scheduled late). So once the server
+    # runs all eight and has sampled tokens for them, the test freezes its scheduler (/pause, mode keep: the
+    # requests stay, partial); the push aborts them there, loads and resumes. A try whose requests ended before
+    # the freeze is repeated with fresh requests, at most three times.
     for _ in range(3):
         v = engine.version
         svc = RolloutService(engine, TOK)
         try:
+            sampled = metric(engine, "vllm:generation_tokens_total")
             svc.submit(prompt_table(TOK, PROMPTS, 3), GenerateParams(n=2, max_tokens=1500, ignore_eos=True), seed=5)
             wait_sent(engine, 2 * len(PROMPTS))
-            probe = StreamingProbe(engine.server.url, TOK.encode(PROMPTS[0]), 1500)
-            probe.wait_for(20)  # the push lands after about 20 of each response's 1500 tokens
+            if scheduled_on_server(engine, 2 * len(PROMPTS), 2 * len(PROMPTS)):
+                deadline = time.monotonic() + 60
+                while metric(engine, "vllm:generation_tokens_total") <= sampled and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                engine.server.request("POST", "/pause?mode=keep&clear_cache=false")
             aborted = svc.push_weights(buckets, v + 1)  # pause (abort_all) -> load_weights -> resume
-            probe.close()
             TRAINER["model"] = new
             table = svc.collect(min_groups=len(PROMPTS), timeout=120)
         finally:
