@@ -33,11 +33,10 @@ def our_actors() -> list[str]:
      r"`ray start --resources '\{\"node_b\": 1\}'`\); its custom resources: none"),
 ])
 def test_workers_ray_could_never_place_are_refused_before_any_starts(ray_session, resources, message):
-    raw = quickstart_raw(resources=resources, tracking={"enabled": False})
-    start = time.monotonic()
+    config = validate_config(quickstart_raw(resources=resources, tracking={"enabled": False}))
     with pytest.raises(ConfigError, match=message):
-        RayBackend.start(validate_config(raw), {"actor", "ref"})
-    assert time.monotonic() - start < 5 and our_actors() == []
+        RayBackend.start(config, {"actor", "ref"})
+    assert our_actors() == []  # refused before any worker was created
 
 
 def test_a_start_past_its_bound_names_the_workers_and_the_field(ray_session):
