@@ -149,10 +149,26 @@ def sync_run(workdir: str) -> dict:
     }
 
 
+def start_cluster() -> tuple[Cluster, object, object]:
+    """A head and two nodes with the custom resources node_a / node_b. Ray waits a fixed 30 s for each node's
+    raylet to register (ray/_private/node.py); a loaded 2-core machine once missed it, so a failed start is
+    shut down (no processes left for the next test's ray.init to find) and tried once more."""
+    for attempt in range(2):
+        cluster = Cluster(initialize_head=False)
+        try:
+            cluster.add_node(num_cpus=1)  # the first node added is the head
+            node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1})
+            node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+            return cluster, node_a, node_b
+        except Exception:
+            cluster.shutdown()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 def main(workdir: str) -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1})
-    node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    cluster, node_a, node_b = start_cluster()
     audit = Path(workdir) / "audit"
     audit.mkdir()
     watched = [str(Path(workdir) / d) for d in ("driver-only", "outputs", "outputs-async", "cache")]
