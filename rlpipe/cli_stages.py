@@ -58,7 +58,8 @@ def detail(query: str) -> str:
     if kind in stage_kinds():
         reg = registry(f"stage.{kind}")
         names = [impl] if impl else reg.names()
-        return "\n\n".join(_stage_detail(kind, name, reg.get(name)) for name in names)
+        shared = _shared_functions([spec for _, spec in reg.items()])
+        return "\n\n".join(_stage_detail(kind, name, reg.get(name), shared) for name in names)
     if kind in kinds():
         reg = registry(kind)
         names = [impl] if impl else reg.names()
@@ -68,9 +69,8 @@ def detail(query: str) -> str:
     raise ConfigError(f"rlpipe stages: no stage kind or registry {kind!r}{hint}; known: {', '.join(known)}")
 
 
-def _stage_detail(kind: str, impl: str, spec) -> str:
+def _stage_detail(kind: str, impl: str, spec, shared: set) -> str:
     lines = [f"{kind}/{impl}  (runs on: {_where(spec)})"]
-    shared = _shared_functions([s for _, s in registry(f"stage.{kind}").items()])
     docs = [spec.params_model.__doc__, spec.fn.__doc__] if spec.fn in shared else [spec.fn.__doc__]
     for doc in dict.fromkeys(_unmarked(_first_paragraph(d)) for d in docs if d):
         lines.append(f"  {doc}")

@@ -36,7 +36,7 @@ def startup_error_line(exc: BaseException) -> str:
     exception's type and message, and where it was raised (the traceback's innermost frame)."""
     cause = getattr(exc, "cause", None) or exc
     message = _ANSI.sub("", str(cause)).strip().splitlines()
-    frames = [m for line in _ANSI.sub("", str(exc)).splitlines() if (m := _FRAME.match(line))]  # Ray's text: the
-    # remote traceback
+    # Ray's text of a task error holds the remote traceback
+    frames = [m for line in _ANSI.sub("", str(exc)).splitlines() if (m := _FRAME.match(line))]
     where = f" (at {frames[-1].group(1)}:{frames[-1].group(2)} in {frames[-1].group(3)})" if frames else ""
     return f"its start-up raised {type(cause).__name__}: {message[0] if message else ''}{where}"

@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 from rlpipe.errors import ConfigError, RlpipeError
 
-_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory", "accelerator_type")
+_BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray defines itself (with ``node:<ip>`` and ``accelerator_type:<name>``): not a placement's."""
 
 
 class WorkerStartTimeout(RlpipeError):
