@@ -11,12 +11,18 @@ partial credit per digit, 16 prompts × 8 samples × at most 8 new tokens per st
 grad clip 1.0, PPO clip 0.2, token-mean loss, no KL (no reference model), π_old = the rollout's
 logprobs (no extra forward), 50 steps, MLflow tracking on (a sqlite store per run).
 
-Variants: TRL (``benchmarks/vs_trl_trl.py`` in .venv-trl: TRL is not an rlpipe dependency),
-rlpipe inline sync (no Ray), rlpipe sync on Ray (trainer and rollout engine in Ray actors of their own,
-and ``ray_colocated``: in one, ``resources.colocate``), rlpipe separate_async on Ray (staleness threshold 2:
-one step off-policy, the overlap async training exists for). Each run is its own
-process, the variants are interleaved (one run of each per repeat), and the table shows medians
-over repeats of each run's median step time (first ``--warmup`` steps excluded).
+Variants: TRL (``benchmarks/vs_trl_trl.py`` in .venv-trl: TRL is not an rlpipe dependency) at its own
+defaults (torch's thread count, no tracking callback: ``trl``) and with its MLflow callback
+(``trl_mlflow``); rlpipe at its defaults (``trainer.torch_threads`` unset: rlpipe.engine.host picks it,
+and the table shows the number) with MLflow on: inline sync (no Ray), sync on Ray (trainer and rollout
+engine in Ray actors of their own, and ``ray_colocated``: in one, ``resources.colocate``), separate_async on
+Ray (staleness threshold 2: one step off-policy, the overlap async training exists for). ``--threads N``
+holds every variant to N threads instead. Each run is its own process, the variants are interleaved
+(one run of each per repeat), each run starts once the 1-minute load average is below ``--max-load``
+(the load at each start is in the table; a run that waited in vain is flagged), and the table shows
+medians over repeats of each run's median step time (first ``--warmup`` steps excluded) and of the
+step's parts: TRL's generation phase (``_generate_and_score_completions``: generate, score, advantages;
+the rest of its step trains), rlpipe's generate and update nodes (lineage timings).
 tokens/s = 128 × (prompt tokens + mean completion length of the run) / median step time,
 so a framework whose completions stop earlier is not credited with tokens it did not make.
 Repeat r runs every variant with seed r (sampling and prompt order; the starting weights are the
@@ -49,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRL_PY = ROOT / ".venv-trl/bin/python"
 CHARS = "0123456789=rev:"
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_TOKENS = 16, 8, 8, 9
-VARIANTS = ("trl", "inline", "ray_sync", "ray_colocated", "separate_async")
+VARIANTS = ("trl", "trl_mlflow", "inline", "ray_sync", "ray_colocated", "separate_async")
+TRL_VARIANTS = ("trl", "trl_mlflow")
 
 PIPELINE = """\
 name: vs-trl-{variant}
@@ -69,8 +76,7 @@ trainer:
   micro_batch_size: 128
   optimizer: {{lr: 1.0e-3}}
   grad_clip: 1.0
-  torch_threads: {threads}
-  output_dir: {out}
+{threads_line}  output_dir: {out}
 stages:
   - {{kind: generate, impl: embedded, params: {{n: 8, max_tokens: {max_tokens}, temperature: 1.0}}}}
   - {{kind: reward, impl: rule}}
@@ -112,7 +118,8 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     mode = "separate_async" if variant == "separate_async" else "sync"
     asynchronous = mode == "separate_async"
     text = PIPELINE.format(
-        variant=variant, seed=seed, mode=mode, steps=steps, threads=threads, model=workdir / "model", prompts=prompts,
+        variant=variant, seed=seed, mode=mode, steps=steps, model=workdir / "model", prompts=prompts,
+        threads_line=f"  torch_threads: {threads}\n" if threads else "",  # 0: rlpipe's own choice (rlpipe.engine.host)
         max_tokens=max_tokens,
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
@@ -126,15 +133,23 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     path = workdir / f"{variant}.yaml"
     path.write_text(text)
     config, yaml_text = load_pipeline(path)
-    stamps, rewards, lengths = [], [], []
+    stamps, rewards, lengths, phases = [], [], [], {}
 
     def on_step(step, metrics):
         stamps.append(time.perf_counter())
         rewards.append(metrics.get("reward/mean", float("nan")))
         lengths.append(metrics.get("generate/response_length_mean", float("nan")))
+        for key, value in metrics.items():  # per-node wall time of the step (separate_async: the trainer's nodes)
+            if key.startswith("timing/") and key.endswith("_s"):
+                phases.setdefault(key[len("timing/"):-2], []).append(value)
 
+    from rlpipe.engine.host import run_thread_budget
+    from rlpipe.engine.planning.plan import build_plan
+
+    threads = run_thread_budget(config, build_plan(config), inline=variant == "inline")[1]
     run_pipeline(config, yaml_text, on_step=on_step, inline=variant == "inline")
-    return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths}
+    return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths, "phases": phases,
+            "threads": threads.threads, "threads_reason": threads.reason}
 
 
 def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None,
@@ -152,9 +167,11 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
     if before:
         script = compare_root / "benchmarks/vs_trl.py"
         env["PYTHONPATH"] = str(compare_root)
-    if name == "trl":
+    if name in TRL_VARIANTS:
         cmd = [str(TRL_PY), str(ROOT / "benchmarks/vs_trl_trl.py"), "--workdir", str(workdir), "--steps", str(steps),
                "--out", str(out), "--threads", str(threads), "--seed", str(seed)]
+        if name == "trl":  # TRL's own default: no tracking callback
+            cmd.append("--no-mlflow")
     else:
         cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
                "--threads", str(threads), "--out", str(out), "--seed", str(seed)]
@@ -171,11 +188,35 @@ def summarize(run: dict, warmup: int) -> dict:
     lengths = np.asarray(run["completion_lengths"], dtype=float)
     # NaN for separate_async (no per-step length), filled in by _fill_async_lengths
     completion = float(np.nanmean(lengths)) if np.isfinite(lengths).any() else float("nan")
+    phases = {name: float(np.median(values[warmup:] or values)) for name, values in run.get("phases", {}).items()}
     return {"step_s": step_s, "completion_len": completion,
             "tokens_per_s": PROMPTS * SAMPLES * (PROMPT_TOKENS + completion) / step_s,
             "reward_first5": float(np.mean(run["rewards"][:5])), "reward_mean": float(np.mean(run["rewards"])),
             "reward_last10": float(np.mean(run["rewards"][-10:])),
-            "rewards": run["rewards"]}
+            "rewards": run["rewards"], "phases_s": phases, "threads": run.get("threads"),
+            "threads_reason": run.get("threads_reason")}
+
+
+def phase_text(variant: str, phases: dict[str, float]) -> str:
+    """The step's parts: TRL's generation phase and the rest (its training); rlpipe's generate and update nodes
+    and the rest of the nodes together."""
+    if not phases:
+        return "–"
+    if variant.partition("@")[0] in TRL_VARIANTS:
+        return f"generate+score {phases.get('generate_and_score', float('nan')) * 1e3:.0f} ms"
+    rest = sum(v for k, v in phases.items() if k not in ("generate", "update"))
+    parts = [f"{k} {phases[k] * 1e3:.0f}" for k in ("generate", "update") if k in phases]
+    return ", ".join(parts + [f"other nodes {rest * 1e3:.0f} ms"])
+
+
+def wait_for_quiet(max_load: float, wait_s: float) -> tuple[float, bool]:
+    """Wait (at most ``wait_s``) until the 1-minute load average is below ``max_load``; the load average at the
+    start and whether it was quiet."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    load = os.getloadavg()[0]
+    return load, load < max_load
 
 
 def _fill_async_lengths(runs: dict[str, list[dict]]) -> None:
@@ -238,17 +279,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads of TRL and of rlpipe's sync workers (separate_async: 1 per worker); "
-                             "2 oversubscribe a shared 2-core machine (TRL: 1.5 s/step with 2 vs 0.7 s with 1 at load 16)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads of every variant; 0 (the default): each framework's own default "
+                             "(TRL: torch's, all cores; rlpipe: trainer.torch_threads unset, rlpipe.engine.host)")
+    parser.add_argument("--max-load", type=float, default=1.0,
+                        help="a run starts once the 1-minute load average is below this (waiting at most "
+                             "--load-wait-s); a run that started above it is flagged in the results")
+    parser.add_argument("--load-wait-s", type=float, default=180.0)
     parser.add_argument("--compare-root", type=Path,
                         help="an older rlpipe checkout (with rlpipe/stages and rlpipe/schemas linked to its stages/ and "
-                             "schemas/): adds inline@before, ray_sync@before, separate_async@before to the variants")
+                             "schemas/): adds <variant>@before for each rlpipe variant")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--linearity", action="store_true",
                         help="step time and cost per token at 4 batch sizes and 4 response lengths (rlpipe inline "
                              "unless --variants names others)")
-    parser.add_argument("--child", choices=VARIANTS[1:], help=argparse.SUPPRESS)  # one run, in this process
+    parser.add_argument("--child", choices=VARIANTS[len(TRL_VARIANTS):], help=argparse.SUPPRESS)  # one run, here
     parser.add_argument("--prompts", type=int, default=PROMPTS, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -256,8 +301,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        threads = 1 if args.child == "separate_async" else args.threads  # two workers share the 2 cores
-        args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, threads, args.prompts,
+        args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, args.threads, args.prompts,
                                                   args.max_tokens, args.seed)))
         return
     if args.linearity:
@@ -265,36 +309,45 @@ def main() -> None:
         return
     variants = args.variants.split(",")
     if args.compare_root:
-        variants += [f"{v}@before" for v in variants if v != "trl"]
+        variants += [f"{v}@before" for v in variants if v not in TRL_VARIANTS]
     workdir = Path(tempfile.mkdtemp(prefix="vs_trl_"))
     prepare(workdir)
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    loads = [load_average()]
     for repeat in range(args.repeats):
         for variant in variants:  # interleaved: load drifts hit every variant alike
+            load, quiet = wait_for_quiet(args.max_load, args.load_wait_s)
             # repeat r samples (and orders the prompts) with seed r in every variant: the rewards compare learning
             # over 3 trajectories, not 3 replays of one (a run is deterministic given its seed)
-            runs[variant].append(summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root,
-                                                   seed=repeat), args.warmup))
-            loads.append(load_average())
-            print(f"repeat {repeat} {variant}: {runs[variant][-1]['step_s'] * 1e3:.0f} ms/step", file=sys.stderr)
+            run = summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root, seed=repeat),
+                            args.warmup)
+            run.update(load_at_start=load, quiet=quiet, load_at_end=os.getloadavg()[0])
+            runs[variant].append(run)
+            print(f"repeat {repeat} {variant}: {run['step_s'] * 1e3:.0f} ms/step, load {load:.2f} -> "
+                  f"{run['load_at_end']:.2f}{'' if quiet else ' (NOT QUIET)'}", file=sys.stderr)
     _fill_async_lengths(runs)
     table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
                                                                       "reward_first5", "reward_mean", "reward_last10")}
+             | {"phases_s": {name: float(np.median([r["phases_s"][name] for r in rs if name in r["phases_s"]]))
+                             for name in rs[0]["phases_s"]},
+                "threads": rs[0]["threads"], "loads": [round(r["load_at_start"], 2) for r in rs],
+                "all_quiet": all(r["quiet"] for r in rs)}
              for v, rs in runs.items()}
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
-              "repeats": args.repeats, "warmup": args.warmup, "load_average_1_5_15": loads,
+              "repeats": args.repeats, "warmup": args.warmup, "max_load": args.max_load, "threads_arg": args.threads,
               "meta": json.loads((workdir / "meta.json").read_text()), "median": table, "runs": runs}
     (ROOT / "benchmarks/results/vs_trl.json").write_text(json.dumps(result, indent=2))
     base = table.get("trl", {}).get("tokens_per_s")
-    print(f"load average (1/5/15 min) during the runs: {loads[0]} … {loads[-1]}")
-    print("| variant | step (median) | tokens/s | vs TRL | completion len | reward steps 1-5 | reward, all steps | "
-          "reward last 10 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"medians of {args.repeats} interleaved repeats × {args.steps} steps (first {args.warmup} excluded); "
+          f"ratios against TRL at its defaults without tracking")
+    print("| variant | torch threads | step (median) | tokens/s | vs TRL | step's parts (medians) | completion len | "
+          "reward steps 1-5 | reward, all steps | reward last 10 | load at each start |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v, row in table.items():
         ratio = f"{row['tokens_per_s'] / base:.2f}×" if base else "–"
-        print(f"| {v} | {row['step_s'] * 1e3:.0f} ms | {row['tokens_per_s']:.0f} | {ratio} | {row['completion_len']:.2f} | "
-              f"{row['reward_first5']:.3f} | {row['reward_mean']:.3f} | {row['reward_last10']:.3f} |")
+        loads = ", ".join(f"{x:.2f}" for x in row["loads"]) + ("" if row["all_quiet"] else " (not all quiet)")
+        print(f"| {v} | {row['threads']} | {row['step_s'] * 1e3:.0f} ms | {row['tokens_per_s']:.0f} | {ratio} | "
+              f"{phase_text(v, row['phases_s'])} | {row['completion_len']:.2f} | {row['reward_first5']:.3f} | "
+              f"{row['reward_mean']:.3f} | {row['reward_last10']:.3f} | {loads} |")
 
 
 if __name__ == "__main__":

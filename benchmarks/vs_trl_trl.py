@@ -71,10 +71,23 @@ def main() -> None:
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, epsilon=0.2, loss_type="dapo", beta=0.0,
         num_iterations=1, logging_steps=1, report_to=[] if args.no_mlflow else ["mlflow"], save_strategy="no", seed=args.seed, disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=digits_reward, args=config,
-                          train_dataset=data, callbacks=[Record()])
+    generate_s: list[float] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """Times TRL's generation phase (generate, score, advantages) per step; the rest of a step trains."""
+
+        def _generate_and_score_completions(self, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(*a, **kw)
+            finally:
+                generate_s.append(time.perf_counter() - start)
+
+    trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=digits_reward, args=config,
+                               train_dataset=data, callbacks=[Record()])
     trainer.train()
-    args.out.write_text(json.dumps({"stamps": stamps, "rewards": rewards, "completion_lengths": lengths}))
+    args.out.write_text(json.dumps({"stamps": stamps, "rewards": rewards, "completion_lengths": lengths,
+                                    "phases": {"generate_and_score": generate_s}, "threads": torch.get_num_threads()}))
 
 
 if __name__ == "__main__":

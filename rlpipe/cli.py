@@ -125,6 +125,10 @@ def _validate(path: str, overrides: list[str]) -> int:
         table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(sorted(node.reads)),
                       ", ".join(sorted(node.writes)))
     Console().print(table)
+    from rlpipe.engine.host import run_thread_budget
+
+    _, threads = run_thread_budget(config, plan, inline=False)
+    print(f"torch threads per worker process on Ray: {threads.threads} ({threads.reason})")
     return 0
 
 

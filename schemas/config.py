@@ -191,8 +191,12 @@ class TrainerConfig(Strict):
     """Save the policy as a HF model directory every N steps (0 = only at the end)."""
     output_dir: str = "outputs"
     """Where checkpoints and the final model go (a run-named folder below it)."""
-    torch_threads: int = Field(1, ge=1)
-    """intra-op threads per worker process (keep workers from oversubscribing cores)."""
+    torch_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads per worker process. None (the default): each process's share of the CPUs —
+    the CPUs available divided by the worker processes that compute at the same time (1 inline; the
+    largest worker group in sync; trainer + rollout in the async modes), and 1 for a model of hidden size
+    below 256, whose small ops only slow down with more threads (rlpipe/engine/host.py; `rlpipe validate`
+    prints the number). On a multi-node cluster set it to each node's CPUs / workers per node."""
     on_nonfinite: Literal["fail", "skip"] = "fail"
     """What a local update with a non-finite loss or gradient norm does: `fail` stops the run at that
     step, before its weight push (so NaN weights never reach the rollout); `skip` drops that update
@@ -279,6 +283,11 @@ class ResourcesConfig(Strict):
     """Longest the run waits for its workers to start (Ray placing them, each building its model or starting its
     engine server); past it the run fails with one line naming the workers that had not started. What the
     workers ask Ray for (GPUs, placement resources) is checked against the cluster before any starts."""
+    keep_freed_memory: bool = True
+    """Every process that holds a model asks glibc's malloc to keep freed memory for reuse instead of
+    handing it back to the kernel (torch frees and reallocates its CPU tensors every step, and each
+    returned page is faulted in and zeroed again): ~10% off a CPU fwd+bwd; a process keeps its peak
+    heap. No effect without glibc."""
 
     @model_validator(mode="after")
     def _gpus_need_cuda(self) -> "ResourcesConfig":

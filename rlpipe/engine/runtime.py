@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state import checkpoint
 from rlpipe.engine.state.data import PromptLoader
+from rlpipe.engine.host import run_thread_budget
 from rlpipe.engine.execution.executor import Backend, StepExecutor
 from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.tracking.metric_loggers import with_metric_loggers
@@ -40,7 +41,8 @@ from rlpipe.schemas.config import PipelineConfig
 log = logging.getLogger(__name__)
 
 ALWAYS_ROLES = ("actor", "rollout")
-"""Roles every run needs: the trainer (weights' source of truth) and the rollout engine."""
+"""Roles every run needs: the trainer (weights' source of truth) and the rollout engine
+(rlpipe.engine.host.run_thread_budget counts them too)."""
 
 
 @dataclass
@@ -214,6 +216,11 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     plan = build_plan(config)
     resume = plan_resume(config, resume_from, fork, extend) if resume_from else None
     resumed = resume.state if resume else None
+    mode_cls = registry("mode").get(config.mode)
+    # decided once, here: every worker process applies the number (rlpipe.engine.host); the logged config shows it
+    roles, threads = run_thread_budget(config, plan, inline)
+    config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"torch_threads": threads.threads})})
+    log.info("torch threads per worker process: %d (%s)", threads.threads, threads.reason)
     phase("starting MLflow tracking" if config.tracking.enabled else "planning")
     observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
     observer = with_metric_loggers(observer, config)
@@ -221,8 +228,6 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     runtime = backend = None
     started = time.time()
     try:
-        mode_cls = registry("mode").get(config.mode)
-        roles = set(ALWAYS_ROLES) | plan.roles() | mode_cls.roles(config)
         if inline:
             phase("building workers in this process")
             backend = InlineBackend(config, roles)

@@ -107,6 +107,8 @@ def group_order(table: pa.Table) -> pa.Table:
 class AsyncMode(Mode):
     """Driver of the rollout pool and the replay buffer; subclasses schedule the steps."""
 
+    generates_while_training = True
+
     Params = AsyncParams
 
     @classmethod

@@ -24,6 +24,9 @@ class Mode:
 
     Params: type[BaseModel] = NoParams
     """Params model of the mode (the YAML's `mode_params`)."""
+    generates_while_training: bool = False
+    """The rollout generates while the trainer trains (the async modes): their worker processes compute at
+    the same time and share the CPUs (rlpipe.engine.host's thread budget)."""
 
     @classmethod
     def check(cls, config: "PipelineConfig", plan: "Plan") -> None:

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlpipe.engine.host import configure_process
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state.train_state import NumericalError, TrainState, lr_lambda, updates_per_step
@@ -35,7 +36,7 @@ class MegatronTrainState(TrainState):
         # not TrainState.__init__: no torch AdamW / LambdaLR; megatron owns the optimizer
         from rlpipe.backends.megatron_trainer import MegatronEngine, MegatronPolicy
 
-        torch.set_num_threads(config.trainer.torch_threads)
+        configure_process(config)
         torch.manual_seed(config.seed)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = torch.device(config.resources.device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from rlpipe.engine.host import configure_process
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.errors import ConfigError
@@ -54,7 +55,7 @@ class RewardPoolState:
         from rlpipe.stages.judge import Judge
         from rlpipe.stages.reward_model import RewardModel
 
-        torch.set_num_threads(config.trainer.torch_threads)
+        configure_process(config)
         rm, judge, _ = pool_params(config)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from rlpipe.engine.host import configure_process
 from rlpipe.agents.loop import build_agent
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
@@ -71,7 +72,7 @@ class RolloutState:
     ``generate.params.agent`` names) and the policy tokenizer."""
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
-        torch.set_num_threads(config.trainer.torch_threads)
+        configure_process(config)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
         model = build_model(config.model, self.tokenizer, config.seed)
@@ -282,7 +283,7 @@ class ReferenceState:
     """The frozen reference policy (forward only)."""
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None):
-        torch.set_num_threads(config.trainer.torch_threads)
+        configure_process(config)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id or 0

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from rlpipe.engine.host import configure_process
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import WeightPush, pack_buckets
@@ -67,7 +68,7 @@ class TrainState:
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None,
                  model_factory: Callable[[Any], torch.nn.Module] | None = None):
-        torch.set_num_threads(config.trainer.torch_threads)
+        configure_process(config)
         torch.manual_seed(config.seed)
         self.config = config
         self.rank = rank
