@@ -173,13 +173,17 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
         if name == "trl":  # TRL's own default: no tracking callback
             cmd.append("--no-mlflow")
     else:
+        if before and not threads:
+            threads = 1  # a checkout from before trainer.torch_threads could be left unset: its default, 1
         cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
                "--threads", str(threads), "--out", str(out), "--seed", str(seed)]
         if size:  # (prompts, new tokens) of a --linearity run
             cmd += ["--prompts", str(size[0]), "--max-tokens", str(size[1])]
     with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
         subprocess.run(cmd, check=True, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result.setdefault("threads", threads)  # an older checkout's child does not report it
+    return result
 
 
 def summarize(run: dict, warmup: int) -> dict:
