@@ -20,7 +20,6 @@ Left out: autoscaling the pool, and batching several replicas' groups into one p
 
 from __future__ import annotations
 
-import torch
 
 from rlpipe.engine.host import configure_process
 from rlpipe.backends.tokenizer import build_tokenizer
