@@ -18,9 +18,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rlpipe.engine.host import configure_process
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.engine.host import configure_process
 from rlpipe.engine.state.train_state import NumericalError, TrainState, lr_lambda, updates_per_step
 from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError

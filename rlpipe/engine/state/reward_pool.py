@@ -20,9 +20,8 @@ Left out: autoscaling the pool, and batching several replicas' groups into one p
 
 from __future__ import annotations
 
-
-from rlpipe.engine.host import configure_process
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.engine.host import configure_process
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import PipelineConfig

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from rlpipe.engine.host import configure_process
 from rlpipe.agents.loop import build_agent
+from rlpipe.engine.host import configure_process
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer

@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from rlpipe.engine.host import configure_process
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import WeightPush, pack_buckets
+from rlpipe.engine.host import configure_process
 from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
