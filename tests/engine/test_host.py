@@ -78,34 +78,30 @@ def test_configure_process_sets_torch_threads():
 
 
 FAULTS = textwrap.dedent("""
-    import resource, sys
-    import torch
+    import resource
+    import numpy as np
     from rlpipe.engine.host import keep_freed_memory
-    applied = keep_freed_memory() if sys.argv[1] == "keep" else None
-    torch.manual_seed(0)
-    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))
-    layers = torch.nn.Sequential(mlp(), mlp())
-    x = torch.randn(2176, 64)
-    def churn():  # a training step's pattern: activations of several sizes kept for backward, then freed
+    def churn():  # a training step's pattern: activations of several sizes kept until the backward, then freed
         for _ in range(10):
-            layers(x).square().mean().backward()
+            kept = [np.ones(n << 15) for n in (17, 68, 68, 17, 33, 68, 17)]
+            del kept
+    def faults():
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        churn()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
     churn(); churn()  # the heap reaches its peak
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    churn()
-    print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+    default = faults()
+    applied = keep_freed_memory()
+    churn(); churn()
+    print(default, applied, faults())
 """)
-
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_keep_freed_memory_stops_the_page_faults():
-    def faults(mode: str) -> tuple[str, int]:
-        out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
-        applied, count = out.stdout.split()
-        return applied, int(count)
-
-    applied, kept = faults("keep")
-    _, default = faults("default")
+    # a fresh process: the test process may have applied the setting already (an inline run does)
+    out = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True, check=True, timeout=120)
+    default, applied, kept = out.stdout.split()
     assert applied == "True"
-    # the default hands the freed blocks back to the kernel and faults them in again (thousands of pages)
-    assert default > 1000 and kept < default / 4, (default, kept)
+    # the default hands the freed blocks back to the kernel and faults them in again (~20,000 pages here)
+    assert int(default) > 1000 and int(kept) < int(default) / 10, (default, kept)
