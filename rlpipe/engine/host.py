@@ -81,27 +81,20 @@ def concurrent_workers(config: PipelineConfig, roles: set[str], generates_while_
     """Worker processes that compute at the same time (see the module docstring)."""
     if inline:
         return 1
-    from rlpipe.engine.state.roles import WORKER_ROLES, colocated_groups
+    from rlpipe.engine.state.roles import WORKER_ROLES, worker_processes
 
-    hosted = {g[0]: g for g in colocated_groups(config, roles)}
-    guests = {r for g in hosted.values() for r in g[1:]}
+    processes = worker_processes(config, roles)
     sizes: dict[str, int] = {}
-    for host in roles - guests:
-        group = hosted.get(host, (host,))
-        specs = [WORKER_ROLES.get(r) for r in group if r in WORKER_ROLES.names()]
+    for hosted in processes.values():
+        specs = [WORKER_ROLES.get(r) for r in hosted if r in WORKER_ROLES.names()]
         if any(s.holds_model for s in specs):
-            for role in group:
-                sizes[role] = specs[0].size(config)
+            sizes.update(dict.fromkeys(hosted, specs[0].size(config)))
     if not sizes:
         return 1
     trainer, rollout = sizes.get("actor", 1), sizes.get("rollout", 1)
-    together = trainer + rollout if generates_while_training and not _same_group(hosted, "actor", "rollout") \
-        else max(trainer, rollout)
+    colocated = any("actor" in hosted and "rollout" in hosted for hosted in processes.values())
+    together = trainer + rollout if generates_while_training and not colocated else max(trainer, rollout)
     return max([together, *sizes.values()])
-
-
-def _same_group(hosted: dict[str, tuple[str, ...]], a: str, b: str) -> bool:
-    return any(a in g and b in g for g in hosted.values())
 
 
 def plan_torch_threads(config: PipelineConfig, roles: set[str], generates_while_training: bool,
@@ -122,10 +115,11 @@ def plan_torch_threads(config: PipelineConfig, roles: set[str], generates_while_
 def run_thread_budget(config: PipelineConfig, plan, inline: bool) -> tuple[set[str], ThreadBudget]:
     """The worker roles of a run of ``plan`` (those its nodes and mode need, and the trainer and the
     rollout, which every run has) and their thread budget."""
+    from rlpipe.engine.state.roles import ALWAYS_ROLES
     from rlpipe.registry import registry
 
     mode_cls = registry("mode").get(config.mode)
-    roles = {"actor", "rollout"} | plan.roles() | mode_cls.roles(config)
+    roles = set(ALWAYS_ROLES) | plan.roles() | mode_cls.roles(config)
     return roles, plan_torch_threads(config, roles, mode_cls.generates_while_training, inline)
 
 
@@ -134,13 +128,10 @@ def keep_freed_memory() -> bool:
     not glibc (musl, macOS) or refused a setting."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
+        mallopt = ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):
         return False
-    if mallopt is None:
-        return False
-    return all(mallopt(param, value) == 1 for param, value in _KEEP_FREED)
+    return mallopt is not None and all(mallopt(param, value) == 1 for param, value in _KEEP_FREED)
 
 
 def configure_process(config: PipelineConfig) -> None:

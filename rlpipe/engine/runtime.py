@@ -40,11 +40,6 @@ from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
-ALWAYS_ROLES = ("actor", "rollout")
-"""Roles every run needs: the trainer (weights' source of truth) and the rollout engine
-(rlpipe.engine.host.run_thread_budget counts them too)."""
-
-
 @dataclass
 class RunResult:
     """What a finished run leaves behind."""

@@ -16,7 +16,8 @@ import pytest
 from rlpipe.engine.execution.ray_runtime import RayBackend
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
-from rlpipe.engine.runtime import ALWAYS_ROLES, Runtime, run_pipeline
+from rlpipe.engine.runtime import Runtime, run_pipeline
+from rlpipe.engine.state.roles import ALWAYS_ROLES
 from rlpipe.engine.stage_call import ChainedStage, apply_result
 from rlpipe.engine.tracking.observer import NullObserver
 from rlpipe.schemas.batch import ADVANTAGES, OLD_LOGPROBS

@@ -30,7 +30,7 @@ from rlpipe.engine.execution.worker_start import Demand, check_demand, wait_star
 from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
 from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
-from rlpipe.engine.state.roles import WORKER_ROLES, colocated_groups
+from rlpipe.engine.state.roles import WORKER_ROLES, worker_processes
 from rlpipe.errors import RlpipeError
 from rlpipe.registry import load_plugins
 from rlpipe.schemas.config import PipelineConfig
@@ -426,11 +426,9 @@ class RayBackend:
         """Start one worker group per role (all concurrently: DP ranks rendezvous while starting); ``shipped``:
         the model folders packed into the object store (resources.shared_filesystem false), or None."""
         config_dict = config.model_dump(mode="json")
-        colocated = {group[0]: group for group in colocated_groups(config, roles)}
-        guests = {role for group in colocated.values() for role in group[1:]}
+        processes = worker_processes(config, roles)
         groups, starts = {}, {}
-        for role in sorted(roles - guests):
-            hosted = colocated.get(role, (role,))
+        for role, hosted in processes.items():
             specs = [WORKER_ROLES.get(r) for r in hosted]
             gpus = config.resources.gpus_per_worker if any(s.holds_model for s in specs) else 0
             placed = next(((r, config.resources.placement[r]) for r in hosted if r in config.resources.placement), None)
@@ -442,8 +440,8 @@ class RayBackend:
                                        max(s.max_concurrency for s in specs),
                                        demand.placement[1] if demand.placement else None, demand.gpus, shipped,
                                        demand.roles, config.resources.worker_start_timeout_s)
-        for host, hosted in colocated.items():
-            for role in hosted[1:]:
+        for host, hosted in processes.items():
+            for role in hosted[1:]:  # colocated guests
                 groups[role] = groups[host].view(role, WORKER_ROLES.get(role).sharded)
         backend = cls(groups, shared_filesystem=shipped is None,
                       task_stages_in_workers=config.resources.task_stages_in_workers,

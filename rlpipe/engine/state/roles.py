@@ -35,6 +35,9 @@ from rlpipe.schemas.config import PipelineConfig
 
 WORKER_ROLES = registry("worker_role")
 
+ALWAYS_ROLES = ("actor", "rollout")
+"""Roles every run needs: the trainer (weights' source of truth) and the rollout engine."""
+
 
 class WeightSyncError(RlpipeError):
     """A weight push failed; the message names the boundary (seed 6.x) where it failed."""
@@ -331,6 +334,14 @@ def colocated_groups(config: PipelineConfig, roles: set[str]) -> list[tuple[str,
         if len(present) > 1:
             groups.append(tuple(present))
     return groups
+
+
+def worker_processes(config: PipelineConfig, roles: set[str]) -> dict[str, tuple[str, ...]]:
+    """One entry per worker group of a run with ``roles``, in role order: the role whose workers they are →
+    every role those workers host (itself alone unless ``resources.colocate`` puts guests with it)."""
+    colocated = {group[0]: group for group in colocated_groups(config, roles)}
+    guests = {role for group in colocated.values() for role in group[1:]}
+    return {role: colocated.get(role, (role,)) for role in sorted(roles - guests)}
 
 
 def check_colocation(config: PipelineConfig, weight_sync_impl: str | None = None) -> None:
