@@ -29,6 +29,7 @@ def _replica(plans, results, device: str) -> None:
     """A replica process: receive each plan's buckets, load them, send back the weights (or the error)."""
     torch.set_num_threads(1)
     receiver, target = BroadcastReceiver(0, device), model(seed=99)
+    results.put("ready")  # imported and built: the group's join below is all the sender's timeout then covers
     try:
         while (plan := plans.get(timeout=TIMEOUT_S)) is not None:
             push = receiver.receive(plan)
@@ -54,6 +55,9 @@ def test_broadcast_delivers_every_push_bit_for_bit(backend, send_device, recv_de
     child = ctx.Process(target=_replica, args=(plans, results, recv_device), daemon=True)
     child.start()
     try:
+        # a spawned process imports torch first; under a loaded suite that alone once took most of the group's
+        # 60 s, so the group forms only once the replica is up (each wait keeps its own TIMEOUT_S bound)
+        assert results.get(timeout=TIMEOUT_S) == "ready"
         sender, source = BroadcastSender(send_device, "127.0.0.1"), model(seed=0)
         for version in (1, 2):
             buckets = export_buckets(source, bucket_bytes=2048)  # several buckets per push
