@@ -103,6 +103,7 @@ def test_a_corrupted_bucket_is_refused_before_loading():
     child = ctx.Process(target=_replica, args=(plans, results, "cpu"), daemon=True)
     child.start()
     try:
+        assert results.get(timeout=TIMEOUT_S) == "ready"  # as above: the group forms once the replica is up
         sender = BroadcastSender("cpu", "127.0.0.1")
         plan = sender.plan(export_buckets(model(0)), 1, 1, "gloo", None, TIMEOUT_S, export_s=0.0)
         header = replace(plan.headers[0], checksum="0" * 32)
