@@ -80,10 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return _run_failed(exc, sys.argv[1:] if argv is None else argv, where.get("output_dir"))
     except KeyboardInterrupt as exc:  # rlpipe.engine.interrupt: SIGINT/SIGTERM, after the run stopped cleanly
-        code = getattr(exc, "exit_code", 130)
-        console.print(f"[bold yellow]interrupted[/]: {exc or 'stopped by SIGINT'}; the run is marked KILLED and its "
+        from rlpipe.engine import interrupt
+
+        stop = interrupt.stop_of(exc)
+        console.print(f"[bold yellow]interrupted[/]: {stop}; the run is marked KILLED and its "
                       "workers are closed", highlight=False, markup=True, soft_wrap=True)
-        return code
+        return stop.exit_code
     except Exception as exc:  # noqa: BLE001 - a run fails in one line, whatever broke; the traceback is in the log
         if args.command != "run":
             raise

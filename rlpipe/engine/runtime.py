@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlpipe.backends.tokenizer import build_tokenizer
+from rlpipe.engine import interrupt
 from rlpipe.engine.state import checkpoint
 from rlpipe.engine.state.data import PromptLoader
 from rlpipe.engine.host import run_thread_budget
@@ -251,7 +252,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         if config.trainer.checkpoint_every:  # what --extend continues from
             checkpoint.save(runtime, config.trainer.total_steps)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGINT/SIGTERM under `rlpipe run` (rlpipe.engine.interrupt)
-        observer.on_run_end("KILLED", str(exc) or "interrupted")
+        observer.on_run_end("KILLED", str(interrupt.stop_of(exc)))
         raise
     except BaseException as exc:
         observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")
