@@ -14,6 +14,14 @@ new malloc arena (its tensors land on memory the kernel must fault in again),
 and its first parallel region builds a new OpenMP team; on the 2-core machine
 this costs a fwd+bwd+AdamW of the benchmark model 46 -> 56 ms. A runner whose
 call timed out is never handed another one.
+
+Runners are kept per *lane*: stage calls (the ``"stage"`` lane) go back to the
+runner that ran the last one, never to one that wrote tracking records meanwhile.
+Each thread that runs torch work with more than one intra-op thread owns an
+OpenMP pool, and once a process's pools hold more threads than it has CPUs,
+libgomp stops spinning at its barriers and puts threads to sleep at every parallel
+region (a futex wake each; a halted vCPU wakes slowly). With stage work wandering
+over three runners, two torch threads made the benchmark step 62 -> 90 ms.
 """
 
 from __future__ import annotations
@@ -40,8 +48,9 @@ class StageTimeout(RlpipeError):
 class _Call:
     """One call handed to a runner: the function, and its outcome once ``done`` is set."""
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], lane: str):
         self.fn = fn
+        self.lane = lane
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
@@ -77,13 +86,13 @@ class _Runner:
                 abandoned = call in _ABANDONED
                 _ABANDONED.discard(call)
                 if not abandoned:
-                    _IDLE.append(self)
+                    _IDLE.setdefault(call.lane, []).append(self)
                 call.done.set()  # under the lock: a caller at its deadline sees either done or abandoned
             if abandoned:
                 return
 
 
-_IDLE: list[_Runner] = []
+_IDLE: dict[str, list[_Runner]] = {}  # per lane, the most recently used last
 _ABANDONED: set[_Call] = set()
 _IDLE_LOCK = threading.Lock()
 
@@ -99,21 +108,24 @@ def _forget_runners() -> None:
 os.register_at_fork(after_in_child=_forget_runners)
 
 
-def _take_runner() -> _Runner:
+def _take_runner(lane: str) -> _Runner:
     with _IDLE_LOCK:
-        if _IDLE:
-            return _IDLE.pop()
+        idle = _IDLE.get(lane)
+        if idle:
+            return idle.pop()
     return _Runner()
 
 
-def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None, where: str) -> Any:
+def call_with_deadline(fn: Callable[[], Any], timeout_s: float | None, where: str, lane: str = "stage") -> Any:
     """``fn()``'s result, or :class:`StageTimeout` once ``timeout_s`` has passed (None: wait forever).
 
-    ``fn`` runs on a reused daemon thread; past the deadline it is abandoned, not stopped."""
+    ``fn`` runs on a reused daemon thread of ``lane`` (the last one that lane used and is idle); past the
+    deadline it is abandoned, not stopped. Calls that do no torch work (tracking writes) take a lane of their
+    own, so that stage work stays on one thread."""
     if timeout_s is None:
         return fn()
-    call = _Call(fn)
-    _take_runner().hand(call)
+    call = _Call(fn, lane)
+    _take_runner(lane).hand(call)
     if not call.done.wait(timeout_s):
         with _IDLE_LOCK:
             if not call.done.is_set():  # still running: its runner is lost to us

@@ -246,7 +246,8 @@ class ProcessObserver:
         """Write a message to the child, waiting while the pipe is full (backpressure) or until ``timeout``
         (then the child is stuck); False: the child is gone or stuck."""
         try:
-            return call_with_deadline(lambda: self._write(message), timeout, "writing to the tracking process")
+            return call_with_deadline(lambda: self._write(message), timeout, "writing to the tracking process",
+                                      lane="tracking")
         except StageTimeout:
             log.error("the tracking process is stuck (it read nothing for %g s); %s is lost", timeout, message[0])
             return False
