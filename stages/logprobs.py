@@ -19,6 +19,7 @@ import pyarrow as pa
 import torch
 from pydantic import Field
 
+from rlpipe.backends.lean_forward import LeanForward, lean_forward_for
 from rlpipe.jagged import SequenceInputs, entropy_from_logits, from_padded
 from rlpipe.schemas.batch import (
     OLD_LOGPROBS, PROMPT_IDS, REF_LOGPROBS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOGPROBS, SUM_PI_SQUARED,
@@ -65,6 +66,9 @@ def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
     Not for FSDP-sharded models: their ranks must run equally many forward calls (each all-gathers every
     layer) and whether rows share prompts differs between ranks."""
     groups = None if seq.response_width == 0 or _sharded(model) else seq.prompt_groups()
+    lean = lean_forward_for(model)
+    if lean is not None:
+        return _lean_logits(lean, seq, groups)
     if groups is None:
         return _plain_logits(model, seq)
     from transformers import DynamicCache  # lazy: transformers costs seconds to import, stage modules load at plan time
@@ -80,6 +84,24 @@ def eager_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:
     rest = model(input_ids=seq.input_ids[:, width:], attention_mask=seq.attention_mask,
                  position_ids=seq.position_ids[:, width:], cache=cache, use_cache=True).logits
     return torch.cat([last[row_to_prompt], rest[:, :-1]], dim=1)
+
+
+def _lean_logits(lean: LeanForward, seq: SequenceInputs, groups) -> torch.Tensor:
+    """:func:`eager_logits` through the lean forward of the Qwen2 / Llama family (rlpipe.backends.lean_forward):
+    the same function without transformers' per-call mask and cache objects (the update's forward and backward
+    ~25% faster on CPU at the benchmark's size). Logits at padding positions differ from transformers' (a padding
+    query attends to itself); no loss reads them."""
+    width = seq.prompt_width
+    key_mask = seq.attention_mask.bool()
+    if groups is None:
+        return lean(seq.input_ids, seq.position_ids, key_mask, logits_at=slice(width - 1, width - 1 + seq.response_width))
+    prompt_ids, prompt_mask, prompt_positions, row_to_prompt = groups
+    cache = lean.growing_cache()
+    last = lean(prompt_ids, prompt_positions, prompt_mask.bool(), cache, logits_at=slice(-1, None))
+    cache.batch_select_indices(row_to_prompt)
+    rest = lean(seq.input_ids[:, width:], seq.position_ids[:, width:], key_mask, cache,
+                logits_at=slice(0, seq.response_width - 1))
+    return torch.cat([last[row_to_prompt], rest], dim=1)
 
 
 def _plain_logits(model: torch.nn.Module, seq: SequenceInputs) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 Our own decode loop with a KV cache: a cohort of requests is prefilled together
 (left-padded, attention mask, position ids), then decoded one forward per step
-for the whole cohort. Requests submitted while others run form a new cohort at
+for the whole cohort. Qwen2 / Llama models run the lean forward of
+``rlpipe.backends.lean_forward`` with a cache preallocated per cohort; other
+models their own forward with a transformers ``DynamicCache`` (chosen once, at
+construction). Requests submitted while others run form a new cohort at
 the next ``step()``; finished rows leave their cohort (the cache is compacted),
 so the API is the one continuous batching needs: ``submit`` / ``step`` /
 ``abort_all`` / ``has_active``.
@@ -29,6 +32,7 @@ finished rows leave behind in a cohort.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -49,11 +53,14 @@ from rlpipe.inference.contract import (
     make_result,
     validate_request,
 )
+from rlpipe.backends.lean_forward import LeanForward, StaticKV, lean_unsupported
 from rlpipe.backends.weights import WeightBucket, load_buckets
 from rlpipe.jagged import distinct_rows
 
 if TYPE_CHECKING:  # transformers costs seconds to import; stage modules import this one at plan time
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EmbeddedEngine", "EngineError", "GenerationRequest", "GenerationResult", "SamplingParams"]
 
@@ -84,8 +91,14 @@ class EmbeddedEngine(RolloutEngine):
     parameters on every push); give a trainer its own copy.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0,
+                 lean: bool = True):
         self.model = model.eval()
+        reason = lean_unsupported(model) if lean else "turned off"
+        self.forward: _HFForward | _LeanForward = _LeanForward(model) if reason is None else _HFForward(model)
+        """How the cohort forwards run, chosen once: the lean forward (rlpipe.backends.lean_forward) for the
+        Qwen2 / Llama family, the model's own forward otherwise."""
+        log.info("embedded engine: %s", "lean forward" if reason is None else f"the model's own forward ({reason})")
         self.tokenizer = tokenizer
         self.version = version
         self.max_positions = int(model.config.max_position_embeddings)
@@ -240,23 +253,18 @@ class EmbeddedEngine(RolloutEngine):
         attention_mask = (torch.arange(width)[None, :] >= (width - lens)[:, None]).long()
         input_ids[attention_mask.bool()] = torch.from_numpy(np.concatenate(seqs))
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        from transformers import DynamicCache  # lazy: see the TYPE_CHECKING import above
-        cache = DynamicCache(config=self.model.config)
+        prefix = torch.tensor([len(r.response_ids) for r in requests])
+        budget = torch.tensor([r.max_tokens for r in requests]) - prefix
         # n samples of one prompt arrive as n requests with equal tokens: prefill each distinct sequence once and
         # repeat its KV cache rows (vLLM/SGLang get the same from their prefix caches)
         distinct_ids, distinct_mask, distinct_positions, row_of = distinct_rows(input_ids, attention_mask)
         shared = 2 * len(distinct_ids) <= len(seqs)
         if shared:
             input_ids, attention_mask, position_ids = distinct_ids, distinct_mask, distinct_positions
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]
+        cache, logits, attention_mask = self.forward.prefill(input_ids, attention_mask, position_ids, int(budget.max()))
         if shared:
             cache.batch_select_indices(row_of)
             logits, attention_mask = logits[row_of], attention_mask[row_of]
-        prefix = torch.tensor([len(r.response_ids) for r in requests])
-        budget = torch.tensor([r.max_tokens for r in requests]) - prefix
         keys = torch.tensor([sampling.stream_key(r.sampling.seed, r.request_id) for r in requests])
         # Every uniform the cohort can need, in one vectorized call instead of one per decode step;
         # each is still the pure function of (request key, response position) that makes a
@@ -274,13 +282,9 @@ class EmbeddedEngine(RolloutEngine):
         return cohort, logits
 
     def _decode_logits(self, c: _Cohort) -> torch.Tensor:
-        c.attention_mask = torch.cat([c.attention_mask, torch.ones_like(c.attention_mask[:, :1])], dim=1)
-        out = self.model(
-            input_ids=c.tokens[-1][:, None], attention_mask=c.attention_mask,
-            position_ids=c.next_position[:, None], cache=c.cache, use_cache=True, logits_to_keep=1,
-        )
+        logits, c.attention_mask = self.forward.decode(c.tokens[-1], c.next_position, c.attention_mask, c.cache)
         c.next_position = c.next_position + 1
-        return out.logits[:, -1]
+        return logits
 
     def _advance(self, c: _Cohort, logits: torch.Tensor) -> None:
         """Sample one token per row, then retire rows that hit eos or their budget."""
@@ -298,12 +302,57 @@ class EmbeddedEngine(RolloutEngine):
         _retain(c, (~done).nonzero().flatten())
 
 
+class _HFForward:
+    """Cohort forwards through the model's own forward and a transformers ``DynamicCache``."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                new_tokens: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The cache, the last position's logits ``[B, V]`` and the attention mask the decode steps extend."""
+        from transformers import DynamicCache  # lazy: see the TYPE_CHECKING import above
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return cache, logits, attention_mask
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor,
+               cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[B, V]`` after feeding ``tokens`` ``[B]`` at ``positions``, and the grown attention mask."""
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        out = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], attention_mask
+
+
+class _LeanForward:
+    """Cohort forwards through :class:`~rlpipe.backends.lean_forward.LeanForward`: a cache preallocated for the
+    cohort's longest budget, and a key mask over all of it (the prompt's padding, then the response positions)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.lean = LeanForward(model)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                new_tokens: int) -> tuple[StaticKV, torch.Tensor, torch.Tensor]:
+        key_mask = torch.cat([attention_mask.bool(), torch.ones(len(input_ids), new_tokens, dtype=torch.bool)], dim=1)
+        cache = self.lean.static_cache(len(input_ids), key_mask.shape[1])
+        logits = self.lean(input_ids, position_ids, key_mask, cache, logits_at=slice(-1, None))[:, -1]
+        return cache, logits, key_mask
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor,
+               cache: StaticKV) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lean(tokens[:, None], positions[:, None], key_mask, cache)[:, -1], key_mask
+
+
 def _padded_stops(stops: list[tuple[int, ...]]) -> torch.Tensor:
     """[B, S] stop ids per row, -1 where a row has fewer (never a sampled id); S >= 1 keeps shapes simple."""
     width = max((len(s) for s in stops), default=0) or 1
     out = torch.full((len(stops), width), -1, dtype=torch.long)
-    for i, s in enumerate(stops):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    rows = [i for i, s in enumerate(stops) if s]  # usually none: one tensor per row costs ~10 µs
+    for i in rows:
+        out[i, : len(stops[i])] = torch.tensor(stops[i], dtype=torch.long)
     return out
 
 
