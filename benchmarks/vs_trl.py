@@ -49,12 +49,38 @@ import tempfile
 import time
 from pathlib import Path
 
+from dataclasses import asdict, dataclass, field
+
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PY = ROOT / ".venv-trl/bin/python"
 CHARS = "0123456789=rev:"
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_TOKENS = 16, 8, 8, 9
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The size of the job: the model and how much each step generates and trains on."""
+
+    arch: dict = field(default_factory=dict)
+    """ArchitectureConfig fields of the Qwen2 model both frameworks load."""
+    prompts: int = PROMPTS
+    samples: int = SAMPLES
+    new_tokens: int = NEW_TOKENS
+    full_length: bool = False
+    """Every response runs to new_tokens (rlpipe: ignore_eos; TRL: min_new_tokens): a fixed amount of work."""
+
+
+WORKLOADS = {
+    # issue 12's job: a 125k-parameter model, where a step is mostly per-call overhead
+    "toy": Workload(arch=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
+                              max_position_embeddings=64)),
+    # issue 28's compute-bound size: ~24M parameters, 32 prompts x 4 samples x 128 new tokens
+    "compute": Workload(arch=dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536,
+                                  max_position_embeddings=160), prompts=32, samples=4, new_tokens=128,
+                        full_length=True),
+}
 VARIANTS = ("trl", "trl_mlflow", "inline", "ray_sync", "ray_colocated", "separate_async")
 TRL_VARIANTS = ("trl", "trl_mlflow")
 
@@ -78,7 +104,7 @@ trainer:
   grad_clip: 1.0
 {threads_line}  output_dir: {out}
 stages:
-  - {{kind: generate, impl: embedded, params: {{n: 8, max_tokens: {max_tokens}, temperature: 1.0}}}}
+  - {{kind: generate, impl: embedded, params: {{n: {samples}, max_tokens: {max_tokens}, temperature: 1.0, ignore_eos: {full_length}}}}}
   - {{kind: reward, impl: rule}}
 {guard}  - {{kind: balance, impl: tokens}}
   - {{kind: old_log_prob, impl: bypass}}
@@ -88,15 +114,14 @@ stages:
 """
 
 
-def prepare(workdir: Path, seed: int = 0) -> None:
-    """The shared model (random init, saved once), tokenizer and prompt file."""
+def prepare(workdir: Path, seed: int = 0, size: str = "toy") -> None:
+    """The shared model of workload ``size`` (random init, saved once), tokenizer and prompt file."""
     from rlpipe.backends.model import build_model, save_hf_model
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
     tokenizer = build_tokenizer(TokenizerConfig(chars=CHARS))
-    arch = ArchitectureConfig(family="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                              intermediate_size=256, max_position_embeddings=64, tie_word_embeddings=True)
+    arch = ArchitectureConfig(family="qwen2", tie_word_embeddings=True, **WORKLOADS[size].arch)
     model = build_model(ModelConfig(architecture=arch), tokenizer, seed)
     save_hf_model(model, tokenizer, workdir / "model")
     rng = np.random.default_rng(seed)
@@ -106,12 +131,20 @@ def prepare(workdir: Path, seed: int = 0) -> None:
             text = "".join(map(str, row))
             f.write(json.dumps({"prompt": f"rev:{text}=", "ground_truth": text[::-1]}) + "\n")
     params = sum(p.numel() for p in model.parameters())
-    (workdir / "meta.json").write_text(json.dumps({"params": params, "vocab": len(tokenizer)}))
+    (workdir / "meta.json").write_text(json.dumps({"params": params, "vocab": len(tokenizer), "size": size,
+                                                   "workload": asdict(WORKLOADS[size])}))
 
 
-def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: int = PROMPTS,
-               max_tokens: int = NEW_TOKENS, seed: int = 0) -> dict:
+def workload_of(workdir: Path) -> Workload:
+    """The workload ``prepare`` saved the model of ``workdir`` for."""
+    return WORKLOADS[json.loads((workdir / "meta.json").read_text()).get("size", "toy")]
+
+
+def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: int | None = None,
+               max_tokens: int | None = None, seed: int = 0) -> dict:
     """One rlpipe run in this process; per-step wall-clock stamps, rewards and completion lengths."""
+    work = workload_of(workdir)
+    prompts, max_tokens = prompts or work.prompts, max_tokens or work.new_tokens
     from rlpipe.engine.planning.config_io import load_pipeline
     from rlpipe.engine.runtime import run_pipeline
 
@@ -120,7 +153,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     text = PIPELINE.format(
         variant=variant, seed=seed, mode=mode, steps=steps, model=workdir / "model", prompts=prompts,
         threads_line=f"  torch_threads: {threads}\n" if threads else "",  # 0: rlpipe's own choice (rlpipe.engine.host)
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, samples=work.samples, full_length=str(work.full_length).lower(),
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
         # prompts are submitted at the step that trains on them: nothing to overlap); 2 lets the rollout generate the
@@ -168,8 +201,12 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
         script = compare_root / "benchmarks/vs_trl.py"
         env["PYTHONPATH"] = str(compare_root)
     if name in TRL_VARIANTS:
+        work = workload_of(workdir)
         cmd = [str(TRL_PY), str(ROOT / "benchmarks/vs_trl_trl.py"), "--workdir", str(workdir), "--steps", str(steps),
-               "--out", str(out), "--threads", str(threads), "--seed", str(seed)]
+               "--out", str(out), "--threads", str(threads), "--seed", str(seed), "--generations", str(work.samples),
+               "--batch", str(work.prompts * work.samples), "--new-tokens", str(work.new_tokens)]
+        if work.full_length:
+            cmd.append("--full-length")
         if name == "trl":  # TRL's own default: no tracking callback
             cmd.append("--no-mlflow")
     else:
@@ -186,7 +223,7 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
     return result
 
 
-def summarize(run: dict, warmup: int) -> dict:
+def summarize(run: dict, warmup: int, work: Workload = WORKLOADS["toy"]) -> dict:
     steps = np.diff(np.asarray(run["stamps"]))[warmup:]
     step_s = float(np.median(steps))
     lengths = np.asarray(run["completion_lengths"], dtype=float)
@@ -194,7 +231,7 @@ def summarize(run: dict, warmup: int) -> dict:
     completion = float(np.nanmean(lengths)) if np.isfinite(lengths).any() else float("nan")
     phases = {name: float(np.median(values[warmup:] or values)) for name, values in run.get("phases", {}).items()}
     return {"step_s": step_s, "completion_len": completion,
-            "tokens_per_s": PROMPTS * SAMPLES * (PROMPT_TOKENS + completion) / step_s,
+            "tokens_per_s": work.prompts * work.samples * (PROMPT_TOKENS + completion) / step_s,
             "reward_first5": float(np.mean(run["rewards"][:5])), "reward_mean": float(np.mean(run["rewards"])),
             "reward_last10": float(np.mean(run["rewards"][-10:])),
             "rewards": run["rewards"], "phases_s": phases, "threads": run.get("threads"),
@@ -223,7 +260,7 @@ def wait_for_quiet(max_load: float, wait_s: float) -> tuple[float, bool]:
     return load, load < max_load
 
 
-def _fill_async_lengths(runs: dict[str, list[dict]]) -> None:
+def _fill_async_lengths(runs: dict[str, list[dict]], work: Workload) -> None:
     """separate_async reports no per-step completion length (generation runs in the rollout service):
     its tokens/s uses the median completion length of the sync rlpipe runs (same model, seed and sampler)."""
     for variant, rs in runs.items():
@@ -233,7 +270,7 @@ def _fill_async_lengths(runs: dict[str, list[dict]]) -> None:
         for r in rs:
             if np.isnan(r["completion_len"]) and sync:
                 r["completion_len"] = float(np.median(sync))
-                r["tokens_per_s"] = PROMPTS * SAMPLES * (PROMPT_TOKENS + r["completion_len"]) / r["step_s"]
+                r["tokens_per_s"] = work.prompts * work.samples * (PROMPT_TOKENS + r["completion_len"]) / r["step_s"]
 
 
 def load_average() -> str:
@@ -294,12 +331,15 @@ def main() -> None:
                         help="an older rlpipe checkout (with rlpipe/stages and rlpipe/schemas linked to its stages/ and "
                              "schemas/): adds <variant>@before for each rlpipe variant")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--size", choices=sorted(WORKLOADS), default="toy",
+                        help="the workload: toy (issue 12's 125k-parameter job) or compute (~24M parameters, 32 x 4 x "
+                             "128 tokens; --compare-root checkouts older than this option run the toy job)")
     parser.add_argument("--linearity", action="store_true",
                         help="step time and cost per token at 4 batch sizes and 4 response lengths (rlpipe inline "
                              "unless --variants names others)")
     parser.add_argument("--child", choices=VARIANTS[len(TRL_VARIANTS):], help=argparse.SUPPRESS)  # one run, here
-    parser.add_argument("--prompts", type=int, default=PROMPTS, help=argparse.SUPPRESS)
-    parser.add_argument("--max-tokens", type=int, default=NEW_TOKENS, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--max-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -315,7 +355,8 @@ def main() -> None:
     if args.compare_root:
         variants += [f"{v}@before" for v in variants if v not in TRL_VARIANTS]
     workdir = Path(tempfile.mkdtemp(prefix="vs_trl_"))
-    prepare(workdir)
+    prepare(workdir, size=args.size)
+    work = WORKLOADS[args.size]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
         for variant in variants:  # interleaved: load drifts hit every variant alike
@@ -323,12 +364,12 @@ def main() -> None:
             # repeat r samples (and orders the prompts) with seed r in every variant: the rewards compare learning
             # over 3 trajectories, not 3 replays of one (a run is deterministic given its seed)
             run = summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root, seed=repeat),
-                            args.warmup)
+                            args.warmup, work)
             run.update(load_at_start=load, quiet=quiet, load_at_end=os.getloadavg()[0])
             runs[variant].append(run)
             print(f"repeat {repeat} {variant}: {run['step_s'] * 1e3:.0f} ms/step, load {load:.2f} -> "
                   f"{run['load_at_end']:.2f}{'' if quiet else ' (NOT QUIET)'}", file=sys.stderr)
-    _fill_async_lengths(runs)
+    _fill_async_lengths(runs, work)
     table = {v: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "tokens_per_s", "completion_len",
                                                                       "reward_first5", "reward_mean", "reward_last10")}
              | {"phases_s": {name: float(np.median([r["phases_s"][name] for r in rs if name in r["phases_s"]]))
@@ -336,10 +377,11 @@ def main() -> None:
                 "threads": rs[0]["threads"], "loads": [round(r["load_at_start"], 2) for r in rs],
                 "all_quiet": all(r["quiet"] for r in rs)}
              for v, rs in runs.items()}
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps,
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "size": args.size,
               "repeats": args.repeats, "warmup": args.warmup, "max_load": args.max_load, "threads_arg": args.threads,
               "meta": json.loads((workdir / "meta.json").read_text()), "median": table, "runs": runs}
-    (ROOT / "benchmarks/results/vs_trl.json").write_text(json.dumps(result, indent=2))
+    name = "vs_trl.json" if args.size == "toy" else f"vs_trl_{args.size}.json"
+    (ROOT / "benchmarks/results" / name).write_text(json.dumps(result, indent=2))
     base = table.get("trl", {}).get("tokens_per_s")
     print(f"medians of {args.repeats} interleaved repeats × {args.steps} steps (first {args.warmup} excluded); "
           f"ratios against TRL at its defaults without tracking")

@@ -37,6 +37,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--no-mlflow", action="store_true")
+    parser.add_argument("--generations", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--batch", type=int, default=128, help="rows per step (prompts x generations)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="most new tokens per response")
+    parser.add_argument("--full-length", action="store_true", help="every response runs to --new-tokens")
     parser.add_argument("--seed", type=int, default=0, help="sampling and prompt-order seed (the model is the saved one)")
     args = parser.parse_args()
 
@@ -66,8 +70,9 @@ def main() -> None:
 
     config = GRPOConfig(
         output_dir=str(args.workdir / "out-trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
-        max_steps=args.steps, per_device_train_batch_size=128, gradient_accumulation_steps=1, num_generations=8,
-        max_completion_length=8, temperature=1.0, top_k=0, top_p=1.0, learning_rate=1e-3,
+        max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+        num_generations=args.generations, max_completion_length=args.new_tokens, temperature=1.0,
+        generation_kwargs={"min_new_tokens": args.new_tokens} if args.full_length else None, top_k=0, top_p=1.0, learning_rate=1e-3,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, epsilon=0.2, loss_type="dapo", beta=0.0,
         num_iterations=1, logging_steps=1, report_to=[] if args.no_mlflow else ["mlflow"], save_strategy="no", seed=args.seed, disable_tqdm=True,
     )
