@@ -102,7 +102,7 @@ trainer:
   micro_batch_size: 128
   optimizer: {{lr: 1.0e-3}}
   grad_clip: 1.0
-{threads_line}  output_dir: {out}
+{threads_line}{precision_line}  output_dir: {out}
 stages:
   - {{kind: generate, impl: embedded, params: {{n: {samples}, max_tokens: {max_tokens}, temperature: 1.0, ignore_eos: {full_length}}}}}
   - {{kind: reward, impl: rule}}
@@ -141,7 +141,7 @@ def workload_of(workdir: Path) -> Workload:
 
 
 def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: int | None = None,
-               max_tokens: int | None = None, seed: int = 0) -> dict:
+               max_tokens: int | None = None, seed: int = 0, precision: str = "fp32") -> dict:
     """One rlpipe run in this process; per-step wall-clock stamps, rewards and completion lengths."""
     work = workload_of(workdir)
     prompts, max_tokens = prompts or work.prompts, max_tokens or work.new_tokens
@@ -153,6 +153,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     text = PIPELINE.format(
         variant=variant, seed=seed, mode=mode, steps=steps, model=workdir / "model", prompts=prompts,
         threads_line=f"  torch_threads: {threads}\n" if threads else "",  # 0: rlpipe's own choice (rlpipe.engine.host)
+        precision_line="  mixed_precision: bf16\n" if precision == "bf16" else "",
         max_tokens=max_tokens, samples=work.samples, full_length=str(work.full_length).lower(),
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
@@ -186,7 +187,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
 
 
 def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root: Path | None,
-            size: tuple[int, int] | None = None, seed: int = 0) -> dict:
+            size: tuple[int, int] | None = None, seed: int = 0, precision: str = "fp32") -> dict:
     """A fresh process per run (no warm caches carried between variants).
 
     ``<variant>@before`` runs the rlpipe checkout at ``compare_root`` instead of this one (its own
@@ -207,6 +208,8 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
                "--batch", str(work.prompts * work.samples), "--new-tokens", str(work.new_tokens)]
         if work.full_length:
             cmd.append("--full-length")
+        if precision == "bf16":  # TRL's own default (GRPOConfig.bf16 = not fp16): autocast, fp32 master weights
+            cmd.append("--bf16")
         if name == "trl":  # TRL's own default: no tracking callback
             cmd.append("--no-mlflow")
     else:
@@ -214,6 +217,8 @@ def one_run(variant: str, workdir: Path, steps: int, threads: int, compare_root:
             threads = 1  # a checkout from before trainer.torch_threads could be left unset: its default, 1
         cmd = [sys.executable, str(script), "--child", name, "--workdir", str(workdir), "--steps", str(steps),
                "--threads", str(threads), "--out", str(out), "--seed", str(seed)]
+        if precision != "fp32":
+            cmd += ["--precision", precision]
         if size:  # (prompts, new tokens) of a --linearity run
             cmd += ["--prompts", str(size[0]), "--max-tokens", str(size[1])]
     with open(workdir / f"log-{variant}.txt", "a") as log:  # the child's chatter, kept for a failed run
@@ -341,12 +346,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32 (both frameworks in float32) or bf16: the trainers' forward passes under bfloat16 "
+                             "autocast with float32 master weights (TRL: bf16=True, its default; rlpipe: "
+                             "trainer.mixed_precision: bf16); generation in float32 either way")
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         args.out.write_text(json.dumps(run_rlpipe(args.child, args.workdir, args.steps, args.threads, args.prompts,
-                                                  args.max_tokens, args.seed)))
+                                                  args.max_tokens, args.seed, args.precision)))
         return
     if args.linearity:
         linearity(args)
@@ -363,8 +372,8 @@ def main() -> None:
             load, quiet = wait_for_quiet(args.max_load, args.load_wait_s)
             # repeat r samples (and orders the prompts) with seed r in every variant: the rewards compare learning
             # over 3 trajectories, not 3 replays of one (a run is deterministic given its seed)
-            run = summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root, seed=repeat),
-                            args.warmup, work)
+            run = summarize(one_run(variant, workdir, args.steps, args.threads, args.compare_root, seed=repeat,
+                                    precision=args.precision), args.warmup, work)
             run.update(load_at_start=load, quiet=quiet, load_at_end=os.getloadavg()[0])
             runs[variant].append(run)
             print(f"repeat {repeat} {variant}: {run['step_s'] * 1e3:.0f} ms/step, load {load:.2f} -> "
@@ -378,9 +387,11 @@ def main() -> None:
                 "all_quiet": all(r["quiet"] for r in rs)}
              for v, rs in runs.items()}
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "steps": args.steps, "size": args.size,
+              "precision": args.precision,
               "repeats": args.repeats, "warmup": args.warmup, "max_load": args.max_load, "threads_arg": args.threads,
               "meta": json.loads((workdir / "meta.json").read_text()), "median": table, "runs": runs}
-    name = "vs_trl.json" if args.size == "toy" else f"vs_trl_{args.size}.json"
+    name = "vs_trl" + ("" if args.size == "toy" else f"_{args.size}") + ("" if args.precision == "fp32" else
+                                                                           f"_{args.precision}") + ".json"
     (ROOT / "benchmarks/results" / name).write_text(json.dumps(result, indent=2))
     base = table.get("trl", {}).get("tokens_per_s")
     print(f"medians of {args.repeats} interleaved repeats × {args.steps} steps (first {args.warmup} excluded); "

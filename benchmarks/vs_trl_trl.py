@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128, help="rows per step (prompts x generations)")
     parser.add_argument("--new-tokens", type=int, default=8, help="most new tokens per response")
     parser.add_argument("--full-length", action="store_true", help="every response runs to --new-tokens")
+    parser.add_argument("--bf16", action="store_true", help="TRL's default bf16 autocast (off: fp32, as rlpipe's default)")
     parser.add_argument("--seed", type=int, default=0, help="sampling and prompt-order seed (the model is the saved one)")
     args = parser.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> None:
                 lengths.append(float(logs.get("completions/mean_length", float("nan"))))
 
     config = GRPOConfig(
-        output_dir=str(args.workdir / "out-trl"), use_cpu=True, bf16=False, gradient_checkpointing=False,
+        output_dir=str(args.workdir / "out-trl"), use_cpu=True, bf16=args.bf16, gradient_checkpointing=False,
         max_steps=args.steps, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         num_generations=args.generations, max_completion_length=args.new_tokens, temperature=1.0,
         generation_kwargs={"min_new_tokens": args.new_tokens} if args.full_length else None, top_k=0, top_p=1.0, learning_rate=1e-3,

@@ -197,6 +197,12 @@ class TrainerConfig(Strict):
     largest worker group in sync; trainer + rollout in the async modes), and 1 for a model of hidden size
     below 256, whose small ops only slow down with more threads (rlpipe/engine/host.py; `rlpipe validate`
     prints the number). On a multi-node cluster set it to each node's CPUs / workers per node."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """`bf16`: the trainer's forward passes (update, old_log_prob, ref) compute in bfloat16 under torch.autocast
+    while parameters, gradients and AdamW state stay float32 (the master weights; what TRL and verl do on
+    GPUs). Matrix products then run at bfloat16 rates (several times float32's on GPUs and on CPUs with AMX);
+    logprobs, losses and advantages stay float32. Needs `model.dtype: float32`; not with `backend: megatron`
+    (its own precision settings). `none`: everything in the model's dtype."""
     on_nonfinite: Literal["fail", "skip"] = "fail"
     """What a local update with a non-finite loss or gradient norm does: `fail` stops the run at that
     step, before its weight push (so NaN weights never reach the rollout); `skip` drops that update
@@ -416,6 +422,16 @@ class PipelineConfig(Strict):
             raise ValueError(f"the name becomes a folder name; {name!r} has {bad or 'a reserved name'}: use letters, "
                              "digits, '-', '_' or '.'")
         return name
+
+    @model_validator(mode="after")
+    def _mixed_precision_needs_float32(self) -> "PipelineConfig":
+        if self.trainer.mixed_precision != "none" and self.model.dtype != "float32":
+            raise ValueError(f"trainer.mixed_precision {self.trainer.mixed_precision} keeps float32 master weights; "
+                             f"set model.dtype: float32 (it is {self.model.dtype}) or mixed_precision: none")
+        if self.trainer.mixed_precision != "none" and self.trainer.backend == "megatron":
+            raise ValueError("trainer.mixed_precision is the replicated and fsdp2 backends' autocast; megatron has its "
+                             "own precision settings: set mixed_precision: none")
+        return self
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> "PipelineConfig":

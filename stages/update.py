@@ -25,7 +25,7 @@ from rlpipe.schemas.batch import (
 )
 from rlpipe.stage import StageResult, cols, stage
 from rlpipe.stages.algos.policy_loss import SUMMED_METRICS, ActorLossConfig, LossDenominators, actor_loss
-from rlpipe.stages.logprobs import eager_logits, keep_in_step, logprobs_from_logits, micro_batches
+from rlpipe.stages.logprobs import autocast_dtype, eager_logits, keep_in_step, logprobs_from_logits, micro_batches
 
 
 class PPOUpdateParams(ActorLossConfig):
@@ -100,7 +100,8 @@ def _local_update(state, mini: pa.Table, params: PPOUpdateParams, temperature: f
         jobs.append((seq, partial(_micro_loss, micro=micro, params=params, temperature=temperature,
                                   denominators=denominators, device=state.device)))
     # the trainer may drive the passes itself (megatron: the loss function injected into its pipeline schedule)
-    passes = getattr(state, "train_passes", None) or partial(eager_train_passes, state.model)
+    passes = getattr(state, "train_passes", None) or partial(eager_train_passes, state.model,
+                                                             compute_dtype=autocast_dtype(state.config))
     sums: dict[str, float] = {}
     loss_finite = True
     for micro, (loss, metrics) in zip(micros, passes(jobs)):
@@ -129,12 +130,14 @@ def _micro_loss(seq: SequenceInputs, logits: torch.Tensor, *, micro: pa.Table, p
     )
 
 
-def eager_train_passes(model: torch.nn.Module, jobs) -> list[tuple[torch.Tensor, dict]]:
+def eager_train_passes(model: torch.nn.Module, jobs, compute_dtype: torch.dtype | None = None,
+                       ) -> list[tuple[torch.Tensor, dict]]:
     """Forward and backward of every ``(seq, loss_of_logits)`` job, one after the other; the detached losses
-    and metrics."""
+    and metrics. ``compute_dtype``: the forward under autocast (``trainer.mixed_precision``); the loss from its
+    logits in float32, the backward outside autocast."""
     out = []
     for seq, loss_of in jobs:
-        loss, metrics = loss_of(seq, eager_logits(model, seq))
+        loss, metrics = loss_of(seq, eager_logits(model, seq, compute_dtype))
         loss.backward()
         out.append((loss.detach(), metrics))
     return out

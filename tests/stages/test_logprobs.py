@@ -103,6 +103,18 @@ def test_micro_batch_size_does_not_change_the_values(state, micro):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
 
 
+def test_mixed_precision_scores_in_bfloat16_into_a_float32_column():
+    mixed_config = config()
+    mixed_config.trainer.mixed_precision = "bf16"
+    mixed = TrainState(mixed_config, 0, 1, None)
+    result = trainer_stage(mixed, batch()).columns["old_logprobs"]
+    assert result.type == F32
+    exact = per_row_logprobs(mixed.model)
+    assert_rows_close(result, exact, atol=5e-2)  # bf16 rounding of the activations
+    worst = max(abs(a - b) for row_a, row_b in zip(result.to_pylist(), exact) for a, b in zip(row_a, row_b))
+    assert worst > 1e-5  # not the float32 forward
+
+
 def test_micro_batch_size_defaults_to_the_trainers():
     state = TrainState(config(micro_batch_size=1), 0, 1, None)
     result = trainer_stage(state, batch())  # params.micro_batch_size=None → trainer.micro_batch_size=1

@@ -274,3 +274,36 @@ def test_mask_zero_tokens_never_reach_the_gradient():
     for a, b in zip(params_of(states[0].model), params_of(states[1].model)):
         assert torch.equal(a, b)
     assert metrics[0]["actor/grad_norm"] == metrics[1]["actor/grad_norm"]
+
+
+def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_master_weights():
+    from rlpipe.jagged import SequenceInputs
+    from rlpipe.stages.logprobs import eager_logits
+
+    fp32 = TrainState(config(), 0, 1, None)
+    mixed_config = config()
+    mixed_config.trainer.mixed_precision = "bf16"
+    mixed = TrainState(mixed_config, 0, 1, None)
+    assert_same_params(params_of(mixed.model), params_of(fp32.model), atol=0)
+    table = batch(fp32.model)
+    seq = SequenceInputs(table.column("prompt_ids"), table.column("response_ids"))
+    assert eager_logits(mixed.model, seq, torch.bfloat16).dtype == torch.bfloat16  # the forward ran in bf16
+    before = params_of(fp32.model)
+    m_fp32, m_mixed = run_update(fp32, table), run_update(mixed, table)
+    assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in mixed.model.parameters())
+    for b, a32, amix in zip(before, params_of(fp32.model), params_of(mixed.model)):
+        step32, step_mixed = a32 - b, amix - b
+        # the same update up to bf16 rounding of the gradient: within 5% of the fp32 step's size
+        assert float((step_mixed - step32).norm()) <= 0.05 * float(step32.norm()) + 1e-7
+    assert m_mixed["actor/grad_norm"] == pytest.approx(m_fp32["actor/grad_norm"], rel=0.02)
+    assert m_mixed["actor/grad_norm"] != m_fp32["actor/grad_norm"]  # it did compute in bf16
+
+
+def test_mixed_precision_needs_float32_parameters_and_not_megatron():
+    with pytest.raises(ValueError, match="set model.dtype: float32"):
+        PipelineConfig.model_validate({**config().model_dump(), "model": {"architecture": {"hidden_size": 32},
+                                       "dtype": "bfloat16"}, "trainer": {"mixed_precision": "bf16"}})
+    with pytest.raises(ValueError, match="megatron has its own precision settings"):
+        PipelineConfig.model_validate({**config().model_dump(), "trainer": {"mixed_precision": "bf16",
+                                                                            "backend": "megatron"}})
