@@ -90,7 +90,7 @@ seed: {seed}
 mode: {mode}
 {mode_params}
 {resources}
-model: {{path: {model}}}
+model: {{path: {model}{rollout_dtype}}}
 tokenizer: {{path: {model}}}
 data:
   source: jsonl
@@ -154,6 +154,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
         variant=variant, seed=seed, mode=mode, steps=steps, model=workdir / "model", prompts=prompts,
         threads_line=f"  torch_threads: {threads}\n" if threads else "",  # 0: rlpipe's own choice (rlpipe.engine.host)
         precision_line="  mixed_precision: bf16\n" if precision == "bf16" else "",
+        rollout_dtype=", rollout_dtype: bfloat16" if precision == "bf16" else "",
         max_tokens=max_tokens, samples=work.samples, full_length=str(work.full_length).lower(),
         data=workdir / "data.jsonl", out=workdir / f"out-{variant}",
         # rlpipe counts staleness as consuming step - submission step + 1, so threshold 1 is on-policy (a batch's
@@ -348,8 +349,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                         help="fp32 (both frameworks in float32) or bf16: the trainers' forward passes under bfloat16 "
-                             "autocast with float32 master weights (TRL: bf16=True, its default; rlpipe: "
-                             "trainer.mixed_precision: bf16); generation in float32 either way")
+                             "autocast with float32 master weights (TRL: bf16=True, its default, which generates "
+                             "with the same model under autocast; rlpipe: trainer.mixed_precision: bf16 and a "
+                             "bfloat16 rollout copy, model.rollout_dtype)")
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

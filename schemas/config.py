@@ -97,7 +97,13 @@ class ModelConfig(Strict):
     architecture: ArchitectureConfig | None = None
     """Build a randomly initialized model of this shape instead of loading `path`."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trainer (rollout uses the same unless overridden)."""
+    """Parameter dtype of the trainer (the rollout's too unless `rollout_dtype` says otherwise)."""
+    rollout_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Parameter dtype of the embedded rollout engines' copy of the policy; None: `dtype`. `bfloat16` with
+    float32 training is what verl and TRL's vLLM mode do: decoding runs at bfloat16 rates and each push is
+    converted as it is loaded. The rollout's logprobs then carry bfloat16 rounding: with `old_log_prob: bypass`
+    the PPO ratio starts off 1 by that gap (`old_log_prob: trainer` recomputes π_old in the trainer's numerics;
+    `rollout_correction` weights the gap)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -87,6 +87,10 @@ def checksum(data: np.ndarray) -> str:
     return hashlib.blake2b(memoryview(np.ascontiguousarray(data)), digest_size=16).hexdigest()
 
 
+_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+"""Pushed floating dtypes by name: a parameter of another floating dtype takes them converted."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -170,7 +174,8 @@ def _check(bucket: WeightBucket, params: dict[str, torch.nn.Parameter]) -> None:
                 f"weight {meta.name!r} is not a parameter of the engine's model; the trainer and the "
                 "rollout engine must build the same architecture (or pass a name_map on export)"
             )
-        if tuple(param.shape) != meta.shape or _dtype_name(param.dtype) != meta.dtype:
+        same_dtype = _dtype_name(param.dtype) == meta.dtype
+        if tuple(param.shape) != meta.shape or not (same_dtype or (meta.dtype in _FLOATS and param.is_floating_point())):
             raise WeightTransportError(
                 f"weight {meta.name!r}: pushed {meta.dtype}{list(meta.shape)} but the engine holds "
                 f"{_dtype_name(param.dtype)}{list(param.shape)}; build both sides from the same model config"
@@ -185,7 +190,9 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict
 
     Everything is verified first (checksums, names, shapes, dtypes and, when
     ``strict``, that every parameter is covered), then copied, so an error
-    leaves the model as it was.
+    leaves the model as it was. A floating-point tensor pushed to a parameter of
+    another floating dtype is converted as it is copied (``model.rollout_dtype``:
+    float32 training, bfloat16 rollouts).
     """
     buckets = list(buckets)
     params = dict(model.named_parameters())
@@ -204,8 +211,8 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict
         flat = _byte_view(bucket.data)
         for meta in bucket.tensors:
             param = params[meta.name]
-            src = flat[meta.offset : meta.offset + meta.nbytes].view(param.dtype).view(meta.shape)
-            param.copy_(src)
+            src = flat[meta.offset : meta.offset + meta.nbytes].view(_FLOATS.get(meta.dtype, param.dtype))
+            param.copy_(src.view(meta.shape))
     return loaded
 
 

@@ -1,5 +1,6 @@
 """The weight bucket format: round trip, bucketing, checks before any write."""
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -32,6 +33,18 @@ def test_round_trip_gives_identical_outputs(dtype):
     loaded = load_buckets(dst, export_buckets(src))
     assert torch.equal(logits(src), logits(dst))
     assert sorted(loaded) == sorted(name for name, _ in src.named_parameters())
+
+
+def test_a_float_push_into_another_float_dtype_is_converted_as_it_loads():
+    trained = model(0)  # float32 training, a bfloat16 rollout copy (model.rollout_dtype)
+    rollout = model(1, "bfloat16")
+    load_buckets(rollout, export_buckets(trained))
+    for (name, p), (_, q) in zip(trained.named_parameters(), rollout.named_parameters()):
+        assert q.dtype == torch.bfloat16
+        assert torch.equal(q, p.to(torch.bfloat16)), name  # round to nearest, as .to() does
+    widened = model(2)  # and back: bfloat16 into float32 is exact
+    load_buckets(widened, export_buckets(rollout))
+    assert all(torch.equal(p, q.float()) for p, q in zip(widened.parameters(), rollout.parameters()))
 
 
 def test_small_buckets_split_between_tensors_never_inside_one():
@@ -83,8 +96,11 @@ def test_checksum_mismatch_raises_and_leaves_the_model_untouched():
 def test_shape_dtype_and_name_mismatches_name_the_tensor():
     with pytest.raises(WeightTransportError, match=r"'model\.embed_tokens\.weight': pushed float32\[\d+, 64\]"):
         load_buckets(model(hidden=32), export_buckets(model(hidden=64)))
-    with pytest.raises(WeightTransportError, match="pushed bfloat16.*engine holds float32"):
-        load_buckets(model(), export_buckets(model(dtype="bfloat16")))
+    pushed = export_buckets(model())
+    as_ints = [dataclasses.replace(pushed[0], tensors=(dataclasses.replace(pushed[0].tensors[0], dtype="int32"),
+                                                       *pushed[0].tensors[1:])), *pushed[1:]]
+    with pytest.raises(WeightTransportError, match="pushed int32.*engine holds float32"):
+        load_buckets(model(), as_ints)
     renamed = export_buckets(model(), name_map=lambda name: "policy." + name)
     with pytest.raises(WeightTransportError, match="'policy.model.embed_tokens.weight' is not a parameter"):
         load_buckets(model(), renamed)

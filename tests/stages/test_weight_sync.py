@@ -73,6 +73,20 @@ def test_push_bumps_the_version_and_the_engine_serves_the_trainers_weights(roles
     assert all((r.versions == 1).all() for r in results)
 
 
+def test_a_bfloat16_rollout_copy_takes_the_float32_trainers_pushes_rounded():
+    cfg = config()
+    cfg.model.rollout_dtype = "bfloat16"
+    trainer, rollout = TrainState(cfg, 0, 1, None), RolloutState(cfg, 0, 1, None)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in rollout.engine.model.parameters()} == {torch.bfloat16}
+    train_one_step(trainer)
+    push(LocalWorkerCalls({"actor": [trainer], "rollout": [rollout]}))
+    for p, q in zip(trainer.model.parameters(), rollout.engine.model.parameters()):
+        assert torch.equal(q, p.detach().to(torch.bfloat16))
+    results = rollout.engine.generate(requests("bf"))
+    assert all(len(r.response_ids) == len(r.logprobs) > 0 and (r.versions == 1).all() for r in results)
+
+
 def test_every_push_bumps_by_one_and_new_tokens_carry_the_new_version(roles):
     trainer, rollout, workers = roles
     for expected in (1, 2, 3):

@@ -78,7 +78,8 @@ class RolloutState:
         configure_process(config)
         self.rank = rank
         self.tokenizer = build_tokenizer(config.tokenizer)
-        model = build_model(config.model, self.tokenizer, config.seed)
+        model_config = config.model.model_copy(update={"dtype": config.model.rollout_dtype or config.model.dtype})
+        model = build_model(model_config, self.tokenizer, config.seed)
         impl, params = _generate_stage(config)
         workdir = os.path.join(tempfile.gettempdir(), f"rlpipe-{config.name}-rollout{rank}-{os.getpid()}")
         inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}")
