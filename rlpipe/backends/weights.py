@@ -6,7 +6,7 @@ Implements boundaries 1-3 of a weight push (SPEC R6) for the embedded backends:
    (identity for the embedded engine: both sides are the same HF model);
 2. transport format: every parameter's bytes packed into contiguous ``uint8``
    numpy buckets of about ``bucket_bytes`` each, with per-tensor metadata
-   (name, shape, dtype, offset, nbytes) and a blake2b checksum per bucket.
+   (name, shape, dtype, offset, nbytes) and an XXH3-128 checksum per bucket.
    Numpy (not torch) so a bucket crosses Ray's object store zero-copy;
 3. load: checksums, names, shapes and dtypes are all checked *before* the first
    parameter is written, so a bad push leaves the engine's weights untouched.
@@ -21,13 +21,13 @@ exporters built on top of this format), and buffers such as rotary frequencies
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+import xxhash
 
 from rlpipe.errors import RlpipeError
 
@@ -83,8 +83,9 @@ class WeightPush:
 
 
 def checksum(data: np.ndarray) -> str:
-    """blake2b digest (hex) of a bucket's bytes."""
-    return hashlib.blake2b(memoryview(np.ascontiguousarray(data)), digest_size=16).hexdigest()
+    """XXH3-128 digest (hex) of a bucket's bytes: it catches bytes changed in transit (not an adversary) at
+    ~10 GB/s on one core, where blake2b's ~0.6 GB/s made the two checksums of a push most of its time."""
+    return xxhash.xxh3_128_hexdigest(memoryview(np.ascontiguousarray(data)))
 
 
 _FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
