@@ -7,6 +7,7 @@ import pyarrow as pa
 import pytest
 
 from rlpipe.engine.tracking.lineage import (
+    LazyFingerprint,
     LINEAGE_SCHEMA,
     TRAJECTORY_LINEAGE_SCHEMA,
     fingerprint,
@@ -104,6 +105,21 @@ def test_fingerprint_sees_schema_and_row_boundaries():
     fps = {fingerprint(x) for x in (t, regrouped, renamed, widened)}
     assert len(fps) == 4
     assert fingerprint(pa.table({"a": pa.array([], pa.int32())})) != fingerprint(pa.table({"a": pa.array([0], pa.int32())}))
+
+
+def test_a_fingerprint_built_on_its_inputs_digests_equals_a_fresh_one():
+    before = batch()
+    base = LazyFingerprint(before)
+    assert str(base) == fingerprint(before)  # hashed once: the table is released, its column digests kept
+    scores = pa.array([0.5, 1.0, -2.0, 0.0, 3.0, 1.5], pa.float32())
+    text = pa.array(["x", "y", "z", "u", "v", "w"])
+    after = before.set_column(before.schema.get_field_index("response_text"), "response_text", text)
+    after = after.append_column("score", scores)
+    derived = LazyFingerprint(after, base, ["response_text", "score"])
+    assert str(derived) == fingerprint(after) != str(base)
+    # the columns named changed are the ones rehashed: a replaced column left off the list keeps its old digest
+    stale = LazyFingerprint(after, LazyFingerprint(before), ["score"])
+    assert str(stale) != fingerprint(after)
 
 
 def test_fingerprint_rejects_unsupported_types_with_advice():

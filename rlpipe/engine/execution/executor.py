@@ -362,7 +362,9 @@ class StepExecutor:
                 self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
-        out_fp = LazyFingerprint(out)
+        # a node that only set or added columns: the output's other column digests are the input's
+        same_rows = result.table is None and result.keep is None and isinstance(input_fp, LazyFingerprint)
+        out_fp = LazyFingerprint(out, input_fp, result.columns) if same_rows else LazyFingerprint(out)
         # what the record says is fixed now (the version it ran under, where); hashing and handing it over may wait
         trainer_version, worker = self.policy_version, where if where is not None else self.where(node)
         self._backlog.records.append(lambda: self.record(step, node, table, out, start, duration, result.metrics,

@@ -12,6 +12,7 @@ same position, type mismatches, and the mode's constraints.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +54,9 @@ class PlannedNode:
     def params_dict(self) -> dict[str, Any]:
         return self.params.model_dump(mode="json")
 
-    @property
+    @functools.cached_property
     def params_hash(self) -> str:
+        """Hash of the resolved params (fixed once planned; every lineage record asks)."""
         return params_hash(self.params_dict)
 
     @property

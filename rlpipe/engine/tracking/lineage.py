@@ -54,33 +54,76 @@ _DIGEST_SIZE = 16  # 128 bits: collisions are not a concern for lineage, short h
 
 def fingerprint(table: pa.Table) -> str:
     """Content hash (32 hex chars) of an Arrow table: schema plus every column's logical buffers."""
+    return _table_fingerprint(table, _digests_of(table, {}, ()))
+
+
+def _table_fingerprint(table: pa.Table, digests: dict[str, bytes]) -> str:
     h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
     h.update(b"rlpipe-fp-v2")
     h.update(table.num_rows.to_bytes(8, "little"))
-    for f in table.schema:
-        h.update(_frame(f.name.encode()))
-        h.update(_frame(str(f.type).encode()))
+    h.update(_schema_frames(table.schema))
+    for name in table.column_names:
+        h.update(digests[name])
+    return h.hexdigest()
+
+
+def _digests_of(table: pa.Table, known: dict[str, bytes], changed) -> dict[str, bytes]:
+    """Each column's digest: ``known``'s for the columns not ``changed``, hashed for the others."""
+    digests = {}
     for name, col in zip(table.column_names, table.columns):
+        if name in known and name not in changed:
+            digests[name] = known[name]
+            continue
         try:
-            h.update(_column_digest(col))
+            digests[name] = _column_digest(col)
         except BatchError as exc:
             raise BatchError(f"cannot fingerprint column {name!r}: {exc}") from None
-    return h.hexdigest()
+    return digests
+
+
+_schemas: OrderedDict[pa.Schema, bytes] = OrderedDict()
+
+
+def _schema_frames(schema: pa.Schema) -> bytes:
+    """The hashed bytes of a schema (names and types, length-framed), remembered per schema."""
+    with _cache_lock:
+        frames = _schemas.get(schema)
+    if frames is None:
+        frames = b"".join(_frame(f.name.encode()) + _frame(str(f.type).encode()) for f in schema)
+        with _cache_lock:
+            _schemas[schema] = frames
+            while len(_schemas) > _CACHE_SIZE:
+                _schemas.popitem(last=False)
+    return frames
 
 
 class LazyFingerprint:
     """The fingerprint of a table, hashed the first time it is read (``str()``): the executor writes a node's
-    lineage record while the driver waits on the next node, and each table is still hashed once."""
+    lineage record while the driver waits on the next node, and each table is still hashed once.
 
-    __slots__ = ("_table", "_value")
+    ``base``: the fingerprint of the table this one was made from by setting or appending the columns
+    ``changed`` (a node's output from its input); the other columns' digests are taken from it, not recomputed."""
 
-    def __init__(self, table: pa.Table):
+    __slots__ = ("_table", "_value", "_base", "_changed", "_digests")
+
+    def __init__(self, table: pa.Table, base: "LazyFingerprint | None" = None, changed: Iterable[str] = ()):
         self._table: pa.Table | None = table
         self._value: str | None = None
+        self._base = base
+        self._changed = frozenset(changed)
+        self._digests: dict[str, bytes] | None = None
+
+    def column_digests(self) -> dict[str, bytes]:
+        """Each column's digest (kept after the table is released: the next table's fingerprint reuses them)."""
+        if self._digests is None:
+            known = self._base.column_digests() if self._base is not None else {}
+            self._digests = _digests_of(self._table, known, self._changed)
+            self._base = None
+        return self._digests
 
     def __str__(self) -> str:
         if self._value is None:
-            self._value = fingerprint(self._table)
+            self._value = _table_fingerprint(self._table, self.column_digests())
             self._table = None  # the record keeps its tables alive only until they are hashed
         return self._value
 
