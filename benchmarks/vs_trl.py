@@ -168,7 +168,7 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
     path = workdir / f"{variant}.yaml"
     path.write_text(text)
     config, yaml_text = load_pipeline(path)
-    stamps, rewards, lengths, phases = [], [], [], {}
+    stamps, rewards, lengths, phases, pushes = [], [], [], {}, {}
 
     def on_step(step, metrics):
         stamps.append(time.perf_counter())
@@ -177,13 +177,15 @@ def run_rlpipe(variant: str, workdir: Path, steps: int, threads: int, prompts: i
         for key, value in metrics.items():  # per-node wall time of the step (separate_async: the trainer's nodes)
             if key.startswith("timing/") and key.endswith("_s"):
                 phases.setdefault(key[len("timing/"):-2], []).append(value)
+            elif key.startswith("weight_sync/"):  # what benchmarks/limits.py reads: bytes and push times
+                pushes.setdefault(key, []).append(value)
 
     from rlpipe.engine.host import run_thread_budget
     from rlpipe.engine.planning.plan import build_plan
 
     threads = run_thread_budget(config, build_plan(config), inline=variant == "inline")[1]
     run_pipeline(config, yaml_text, on_step=on_step, inline=variant == "inline")
-    return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths, "phases": phases,
+    return {"stamps": stamps, "rewards": rewards, "completion_lengths": lengths, "phases": phases, "pushes": pushes,
             "threads": threads.threads, "threads_reason": threads.reason}
 
 
