@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import reprlib
 import threading
 from typing import Any, Callable, Sequence
 
@@ -109,7 +110,7 @@ def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     try:
         return options_model(name).model_validate(options).model_dump()
     except ValidationError as exc:
-        problems = "; ".join(f"scorer_params.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {e['input']!r})"
+        problems = "; ".join(f"scorer_params.{name}.{'.'.join(map(str, e['loc']))}: {e['msg']} (got {reprlib.repr(e['input'])})"
                              if e["type"] != "extra_forbidden" else
                              f"scorer_params.{name}.{'.'.join(map(str, e['loc']))}: unknown option of scorer {name!r}"
                              f" (its options: {', '.join(options_model(name).model_fields) or 'none'})"

@@ -58,6 +58,10 @@ CASES = {
                                                r"this machine"),
     "grpo_with_one_sample.yaml": (ConfigError, r"advantage 'grpo' compares each sample with the other samples of its "
                                                r"prompt, but stages\[generate\]\.params\.n is 1: set it to 2 or more"),
+    # issue 25 item 3: configs that would cost minutes and gigabytes are refused before anything reads them
+    "alias_bomb.yaml": (ConfigError, r"stages\[1:reward\]\.params\.scorer_params\.code\.f expands to 1,111,111 values "
+                                     r"with its YAML aliases \(at most 100,000\); aliases repeated inside aliases\?"),
+    "recursive_alias.yaml": (ConfigError, r"a YAML alias refers to a value that contains it; write the value out"),
 }
 
 
@@ -81,6 +85,26 @@ def test_validate_cli_exits_nonzero_with_the_error(name, capsys):
     assert "error:" in err
     if "[" in CASES[name][1]:  # a bracketed field name (stages[reward]) is printed, not taken for markup
         assert re.search(CASES[name][1].lstrip("^"), " ".join(err.split())), err
+
+
+def test_a_pipeline_file_of_data_size_is_refused_unread(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text((FIXTURES / "negative_seed.yaml").read_text() + "#" * (1 << 20) + "\n")
+    with pytest.raises(ConfigError, match=r"big\.yaml: 1\.0 MiB; a pipeline YAML holds settings, not data \(at most 1 "
+                                          r"MiB\): name data files by path"):
+        load_pipeline(big)
+
+
+def test_a_config_error_lists_at_most_20_problems_each_cut_to_a_bounded_line():
+    from rlpipe.engine.planning.config_io import validate_config
+
+    raw = {"model": {"architecture": {}}, "tokenizer": {"chars": "01"}, "stages": [],
+           **{f"field_{i}_" + "x" * 5000: 1 for i in range(30)}}
+    with pytest.raises(ConfigError) as caught:
+        validate_config(raw)
+    lines = str(caught.value).splitlines()[1:]
+    assert len(lines) == 21 and lines[-1].strip() == "... and 10 more"
+    assert all(len(line) < 460 for line in lines) and lines[0].endswith("characters, cut)")
 
 
 def test_missing_file_says_so():

@@ -18,15 +18,30 @@ from pydantic import BaseModel, ValidationError
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import PipelineConfig
 
+MAX_PIPELINE_BYTES = 1 << 20
+"""Largest pipeline YAML read: a pipeline holds settings, not data (data files are named by path)."""
+MAX_EXPANDED_VALUES = 100_000
+"""Most values (mappings, lists and scalars) a pipeline may hold with its YAML aliases expanded. The YAML reader
+shares an aliased value, but pydantic and every later reader walk it once per alias: a few lines of aliases nested
+in aliases ("billion laughs") would take minutes and gigabytes before any field is checked."""
+MAX_ERROR_LINES, MAX_ERROR_LINE_CHARS = 20, 400
+"""Most problems a config error lists, and most characters each line keeps (an echoed value is cut)."""
+
 
 def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[PipelineConfig, str]:
     """Parse and validate ``path`` with overrides applied; returns the config and the YAML text."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"pipeline file {str(path)!r} does not exist; pass the path of a pipeline YAML")
+    size = path.stat().st_size
+    if size > MAX_PIPELINE_BYTES:
+        raise ConfigError(f"{path}: {size / 2**20:.1f} MiB; a pipeline YAML holds settings, not data (at most "
+                          f"{MAX_PIPELINE_BYTES >> 20} MiB): name data files by path (data.params.path)")
     text = _utf8_text(path)
     try:
         raw = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply for a pipeline YAML; flatten it") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -35,7 +50,56 @@ def load_pipeline(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         raise ConfigError(f"{path}: the top level must be a mapping (model:, tokenizer:, stages: ...)")
     for override in overrides:
         apply_override(raw, override)
+    check_expansion(raw, str(path))
     return validate_config(raw, source=str(path)), text
+
+
+def check_expansion(raw: Any, source: str = "pipeline") -> None:
+    """A ConfigError when ``raw`` refers to itself or holds more than :data:`MAX_EXPANDED_VALUES` values once its
+    aliases are expanded, naming the field where the expansion grows; counted in time linear in the YAML."""
+    sizes: dict[int, int] = {}
+    refs: dict[int, int] = {}  # how many places hold each container (more than one: an aliased value)
+    on_path: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(raw, False)]
+    while stack:  # post-order, each shared (aliased) value counted once with its expanded size
+        value, children_done = stack.pop()
+        key = id(value)
+        if not isinstance(value, (dict, list)) or (key in sizes and not children_done):
+            continue
+        if children_done:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(_size(c, sizes) for c in _children(value))
+            continue
+        if key in on_path:
+            raise ConfigError(f"{source}: a YAML alias refers to a value that contains it; write the value out")
+        on_path.add(key)
+        stack.append((value, True))
+        for child in _children(value):
+            if isinstance(child, (dict, list)):
+                refs[id(child)] = refs.get(id(child), 0) + 1
+                stack.append((child, False))
+    if _size(raw, sizes) <= MAX_EXPANDED_VALUES:
+        return
+    where: list[Any] = []
+    value = raw
+    while True:  # down the largest child while it alone is over the limit, to the value that repeats aliases
+        items = list(value.items()) if isinstance(value, dict) else list(enumerate(value)) if isinstance(value, list) else []
+        big = [(k, c) for k, c in items if _size(c, sizes) > MAX_EXPANDED_VALUES and refs.get(id(c), 1) == 1]
+        if not big:
+            break
+        k, value = max(big, key=lambda kc: _size(kc[1], sizes))
+        where.append(k)
+    field = _dotted(tuple(where), raw) if where and isinstance(raw, dict) else "the pipeline"
+    raise ConfigError(f"{source}: {field} expands to {_size(value, sizes):,} values with its YAML aliases (at most "
+                      f"{MAX_EXPANDED_VALUES:,}); aliases repeated inside aliases? write the values out")
+
+
+def _children(value: Any) -> list[Any]:
+    return list(value.values()) if isinstance(value, dict) else value
+
+
+def _size(value: Any, sizes: dict[int, int]) -> int:
+    return sizes.get(id(value), 1) if isinstance(value, (dict, list)) else 1
 
 
 def _utf8_text(path: Path) -> str:
@@ -54,8 +118,18 @@ def validate_config(raw: dict[str, Any], source: str = "pipeline") -> PipelineCo
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [_describe(err, raw) for err in exc.errors()]
+        errors = exc.errors()
+        lines = [_bounded(_describe(err, raw)) for err in errors[:MAX_ERROR_LINES]]
+        if len(errors) > MAX_ERROR_LINES:
+            lines.append(f"... and {len(errors) - MAX_ERROR_LINES} more")
         raise ConfigError(f"{source}: invalid pipeline config:\n  " + "\n  ".join(lines)) from None
+
+
+def _bounded(line: str) -> str:
+    """``line`` cut to :data:`MAX_ERROR_LINE_CHARS` (a message can echo a huge value)."""
+    if len(line) <= MAX_ERROR_LINE_CHARS:
+        return line
+    return f"{line[:MAX_ERROR_LINE_CHARS]}... ({len(line):,} characters, cut)"
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
