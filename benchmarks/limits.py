@@ -1,7 +1,8 @@
 """This machine's limits for the compute-size job, and how close rlpipe's step gets to them (issue 28).
 
-Run: .venv/bin/python benchmarks/limits.py --repeats 3 --steps 4 --warmup 1 [--precision bf16]
-Writes benchmarks/results/limits[_bf16].json and prints Markdown tables (copied into docs/benchmarks.md).
+Run: .venv/bin/python benchmarks/vs_trl.py --size compute [--precision bf16]   (the runs), then
+     .venv/bin/python benchmarks/limits.py [--runs benchmarks/results/vs_trl_compute_bf16.json]
+Writes benchmarks/results/limits[_bf16].json and prints a Markdown table (copied into docs/benchmarks.md).
 
 The job is ``benchmarks/vs_trl.py --size compute``: a ~24M-parameter Qwen2 (hidden 512, 8 layers, 8 query / 2
 key-value heads, MLP 1536, a 19-token vocabulary), 32 prompts × 4 samples × 128 new tokens (every response runs
@@ -11,7 +12,8 @@ to full length), rlpipe inline with MLflow on, at its default threads. What is m
    the model at the update's token count and at the decode batch; peak = the fastest of them.
 2. **Memory bandwidth**: ``copy_`` between two 512 MiB tensors, bytes read + written per second; and ``memcpy``
    of the model's weight bytes (what a weight push moves at least twice: into its buckets and into the engine).
-3. **rlpipe's step** (``--repeats`` runs, each a fresh process, medians): the update node's FLOP/s, counted from
+3. **rlpipe's step** (the inline runs of the ``vs_trl.py --size compute`` results, medians): the update node's
+   FLOP/s, counted from
    the shapes (6 × linear parameters × tokens through them, the attention products, the LM head at the positions
    whose logits are read; the shared prompt forward counted once per distinct prompt), as a share of the peak
    (MFU); the generate node's tokens/s against the decode roofline (per decode step: the FLOPs of a batch of
@@ -30,7 +32,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -106,78 +107,57 @@ def work_counts(arch: dict, vocab: int, work: vs_trl.Workload, prompt_tokens: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: trainer.mixed_precision bf16 and a bfloat16 rollout copy (as vs_trl.py)")
-    parser.add_argument("--max-load", type=float, default=1.5)
+    parser.add_argument("--runs", type=Path, default=ROOT / "benchmarks/results/vs_trl_compute.json",
+                        help="the results of `vs_trl.py --size compute` whose rlpipe inline runs are compared with "
+                             "the limits (bf16: vs_trl_compute_bf16.json)")
     args = parser.parse_args()
-
-    workdir = Path(tempfile.mkdtemp(prefix="limits_"))
-    vs_trl.prepare(workdir, size="compute")
+    measured = json.loads(args.runs.read_text())
+    if measured.get("size") != "compute" or "inline" not in measured["runs"]:
+        raise SystemExit(f"{args.runs}: not a `vs_trl.py --size compute` result with inline runs")
+    precision = measured.get("precision", "fp32")
     work = vs_trl.WORKLOADS["compute"]
-    meta = json.loads((workdir / "meta.json").read_text())
-    from rlpipe.engine.host import run_thread_budget
-    from rlpipe.engine.planning.config_io import load_pipeline
-    from rlpipe.engine.planning.plan import build_plan
-
-    probe = workdir / "probe.yaml"  # the thread count rlpipe picks for this job inline
-    probe.write_text(vs_trl.PIPELINE.format(
-        variant="probe", seed=0, mode="sync", mode_params="", resources="", model=workdir / "model", rollout_dtype="",
-        prompts=work.prompts, steps=1, threads_line="", precision_line="", out=workdir / "out", max_tokens=work.new_tokens,
-        samples=work.samples, full_length="true", data=workdir / "data.jsonl", guard=""))
-    config, _ = load_pipeline(probe)
-    threads = run_thread_budget(config, build_plan(config), inline=True)[1].threads
-    torch.set_num_threads(threads)
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    meta = measured["meta"]
+    runs = measured["runs"]["inline"]
+    threads = runs[0]["threads"]
+    torch.set_num_threads(threads)  # the limits at the thread count rlpipe ran with
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     counts = work_counts(work.arch, meta["vocab"], work, vs_trl.PROMPT_TOKENS)
     rates = peak_matmul(work.arch, [counts["update_tokens"], work.prompts * work.samples], dtype)
     peak = max(rates.values())
-    weight_bytes = meta["params"] * 4
-    memory = memory_rates(weight_bytes)
+    memory = memory_rates(meta["params"] * 4)
 
-    runs = []
-    for repeat in range(args.repeats):
-        load, quiet = vs_trl.wait_for_quiet(args.max_load, 180.0)
-        run = vs_trl.one_run("inline", workdir, args.steps, 0, None, seed=repeat, precision=args.precision)
-        run["load_at_start"], run["quiet"] = load, quiet
-        runs.append(run)
-        print(f"repeat {repeat}: {np.median(np.diff(run['stamps'])[args.warmup:]):.1f} s/step, load {load:.2f}",
-              file=sys.stderr)
+    def median(values) -> float:
+        return float(np.median(values))
 
-    def median_of(values_of) -> float:
-        return float(np.median([np.median(values_of(r)[args.warmup:]) for r in runs]))
-
-    update_s = median_of(lambda r: r["phases"]["update"])
-    generate_s = median_of(lambda r: r["phases"]["generate"])
-    push_s = median_of(lambda r: r["phases"]["weight_sync"])
-    push_bytes = median_of(lambda r: r["pushes"]["weight_sync/bytes"])
-    step_s = float(np.median([np.median(np.diff(r["stamps"])[args.warmup:]) for r in runs]))
+    update_s = median([r["phases_s"]["update"] for r in runs])
+    generate_s = median([r["phases_s"]["generate"] for r in runs])
+    push_s = median([r["phases_s"]["weight_sync"] for r in runs])
+    push_bytes = median([r["pushes"]["weight_sync/bytes"] for r in runs])
+    step_s = median([r["step_s"] for r in runs])
     rows = work.prompts * work.samples
-    param_bytes = meta["params"] * BYTES[args.precision]  # the rollout copy's weights (bf16: model.rollout_dtype)
-    decode_bytes = param_bytes + counts["decode_kv_values_per_step"] * BYTES[args.precision]
+    param_bytes = meta["params"] * BYTES[precision]  # the rollout copy's weights (bf16: model.rollout_dtype)
+    decode_bytes = param_bytes + counts["decode_kv_values_per_step"] * BYTES[precision]
     compute_bound_s = counts["decode_flops_per_step"] / peak
     bandwidth_bound_s = decode_bytes / memory["copy_bytes_per_s"]
     decode_tokens_per_s = rows * work.new_tokens / generate_s
     table = {
-        "threads": threads, "precision": args.precision, "step_s": step_s, "peak_flops": peak,
+        "threads": threads, "precision": precision, "step_s": step_s, "peak_flops": peak,
         "update_s": update_s, "update_flops": counts["update_flops"], "update_mfu": counts["update_flops"] / update_s / peak,
         "generate_s": generate_s, "decode_tokens_per_s": decode_tokens_per_s,
         "decode_bandwidth_bound_tokens_per_s": rows / bandwidth_bound_s,
         "decode_roofline_tokens_per_s": rows / max(compute_bound_s, bandwidth_bound_s),
         "push_s": push_s, "push_bytes": push_bytes, "push_bytes_per_s": push_bytes / push_s,
-        "loads": [round(r["load_at_start"], 2) for r in runs], "all_quiet": all(r["quiet"] for r in runs),
+        "loads": [round(r["load_at_start"], 2) for r in runs],
     }
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args), "meta": meta,
-              "counts": counts, "matmul_flops": rates, "memory": memory, "median": table,
-              "runs": [{k: v for k, v in r.items() if k != "stamps"} | {"stamps": r["stamps"]} for r in runs]}
-    name = "limits.json" if args.precision == "fp32" else f"limits_{args.precision}.json"
+    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "runs_file": str(args.runs.name),
+              "load_now": os.getloadavg()[0], "meta": meta, "counts": counts, "matmul_flops": rates, "memory": memory,
+              "median": table}
+    name = "limits.json" if precision == "fp32" else f"limits_{precision}.json"
     (ROOT / "benchmarks/results" / name).write_text(json.dumps(result, indent=2))
 
-    print(f"{meta['params'] / 1e6:.1f}M parameters, {args.precision}, {threads} torch threads; medians of "
-          f"{args.repeats} runs × {args.steps} steps (first {args.warmup} excluded); load at each start "
-          f"{', '.join(map(str, table['loads']))}")
+    print(f"{meta['params'] / 1e6:.1f}M parameters, {precision}, {threads} torch threads; rlpipe inline: medians of "
+          f"the {len(runs)} runs of {args.runs.name} (load at each start {', '.join(map(str, table['loads']))}); "
+          f"limits measured now (load {os.getloadavg()[0]:.2f})")
     print("| what | measured | limit on this machine | share |")
     print("|---|---|---|---|")
     print(f"| update ({counts['update_flops'] / 1e12:.2f} TFLOP a step) | {update_s:.2f} s = "

@@ -243,6 +243,7 @@ def summarize(run: dict, warmup: int, work: Workload = WORKLOADS["toy"]) -> dict
             "reward_first5": float(np.mean(run["rewards"][:5])), "reward_mean": float(np.mean(run["rewards"])),
             "reward_last10": float(np.mean(run["rewards"][-10:])),
             "rewards": run["rewards"], "phases_s": phases, "threads": run.get("threads"),
+            "pushes": {k: float(np.median(v[warmup:] or v)) for k, v in run.get("pushes", {}).items()},
             "threads_reason": run.get("threads_reason")}
 
 
