@@ -151,11 +151,13 @@ def _run(path: str, overrides: list[str], resume: str | None = None, inline: boo
     config, text = load_pipeline(path, overrides)
     if where is not None:
         where["output_dir"] = config.trainer.output_dir
-    if resume == LATEST:
-        from rlpipe.engine.resume import latest_checkpoint
+    if resume is not None:
+        from rlpipe.engine.resume import latest_checkpoint, resolve_checkpoint
 
-        resume = str(latest_checkpoint(config))
-        console.print(f"resuming from {resume}", highlight=False, markup=False, soft_wrap=True)
+        resolved = str(latest_checkpoint(config) if resume == LATEST else resolve_checkpoint(resume))
+        if resolved != resume:  # a run folder, its checkpoints/ folder or `latest`: say which checkpoint
+            console.print(f"resuming from {resolved}", highlight=False, markup=False, soft_wrap=True)
+        resume = resolved
     interrupt.install()
     started = time.time()
     progress = reporter(config.name, config.trainer.total_steps, every=log_every)

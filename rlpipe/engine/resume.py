@@ -64,6 +64,41 @@ def _finished_steps(config: PipelineConfig, run_id: str, output_dir: Path) -> in
     return None
 
 
+def _step_number(folder: Path) -> int | None:
+    name = folder.name.removeprefix("step_")
+    return int(name) if folder.name.startswith("step_") and name.isdigit() else None
+
+
+def _complete_steps(checkpoints: Path) -> list[Path]:
+    """The complete checkpoints (a manifest, written last) in a ``checkpoints/`` folder, oldest step first."""
+    steps = [p for p in checkpoints.glob("step_*") if _step_number(p) is not None and (p / checkpoint.MANIFEST).is_file()]
+    return sorted(steps, key=_step_number)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint ``--resume PATH`` means: a checkpoint folder itself; or, for a run's output folder or its
+    ``checkpoints/`` folder, the newest complete checkpoint in it. An incomplete checkpoint (its write was
+    interrupted: no manifest) is refused naming the last complete one before it."""
+    path = Path(path)
+    if (path / checkpoint.MANIFEST).is_file():
+        return path
+    for folder in (path / "checkpoints", path):
+        complete = _complete_steps(folder) if folder.is_dir() and _step_number(folder) is None else []
+        if complete:
+            log.info("--resume %s: the newest complete checkpoint there is %s", path, complete[-1])
+            return complete[-1]
+    if _step_number(path) is not None and path.is_dir():
+        earlier = [p for p in _complete_steps(path.parent) if _step_number(p) < _step_number(path)]
+        hint = (f"the last complete one is {earlier[-1]}: --resume {earlier[-1]}" if earlier else
+                f"no complete checkpoint precedes it in {path.parent}")
+        raise ConfigError(f"--resume {path}: an incomplete checkpoint (no {checkpoint.MANIFEST}, written last: its "
+                          f"write was interrupted); {hint}")
+    if path.is_dir() and ((path / "checkpoints").is_dir() or path.name == "checkpoints"):
+        raise ConfigError(f"--resume {path}: no complete checkpoint in {path if path.name == 'checkpoints' else path / 'checkpoints'}"
+                          "; start the run anew")
+    return path  # read_engine_state says what is wrong with it
+
+
 def latest_checkpoint(config: PipelineConfig) -> Path:
     """The newest complete checkpoint (by the time its manifest was written) of any run of this pipeline:
     ``<trainer.output_dir>/<name>-*/checkpoints/step_*``; a clear error when there is none."""

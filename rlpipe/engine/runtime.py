@@ -31,7 +31,7 @@ from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
 from rlpipe.engine.tracking.spool import SPOOL_NAME
 from rlpipe.engine.planning.plan import Plan, build_plan
-from rlpipe.engine.resume import plan_resume
+from rlpipe.engine.resume import plan_resume, resolve_checkpoint
 from rlpipe.engine.execution.ray_runtime import RayBackend, init_ray
 from rlpipe.engine.files.ship import shares_filesystem, ship_model_dirs
 from rlpipe.registry import registry
@@ -210,6 +210,8 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     """
     phase = on_phase or (lambda name: None)
     plan = build_plan(config)
+    if resume_from:
+        resume_from = str(resolve_checkpoint(resume_from))  # a run folder or its checkpoints/: the newest complete
     resume = plan_resume(config, resume_from, fork, extend) if resume_from else None
     resumed = resume.state if resume else None
     mode_cls = registry("mode").get(config.mode)
