@@ -211,16 +211,16 @@ def file_paths(path: str | list[str]) -> list[Path]:
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
     """The JSON objects of a JSON-lines file (blank lines skipped); a bad line names its number."""
-    rows, number = [], 0
-    with path.open(encoding="utf-8") as lines:
-        while limit is None or len(rows) < limit:
-            number += 1
-            try:
-                line = lines.readline()
-            except UnicodeDecodeError:  # decoded in chunks: the bad byte is at or after this line
-                raise DatasetError(f"{path}: not UTF-8 text (near line {number}); convert the file to UTF-8") from None
-            if not line:
+    rows = []
+    with path.open("rb") as lines:  # bytes, decoded line by line: a bad byte is named where it is
+        for number, raw in enumerate(lines, start=1):
+            if limit is not None and len(rows) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                   f"{exc.start + 1}); convert the file to UTF-8") from None
             try:
                 row = json.loads(line) if line.strip() else {}
             except json.JSONDecodeError as exc:

@@ -43,7 +43,8 @@ CASES = {
                                             r"\(got 'ten seconds'\)"),
     "non_utf8_yaml.yaml": (ConfigError, r"non_utf8_yaml\.yaml: not UTF-8 text \(byte 0xe9 on line 1\); save the "
                                         r"pipeline YAML as UTF-8"),
-    "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl: not UTF-8 text \(near line 1\); convert the file to UTF-8"),
+    "non_utf8_dataset.yaml": (ConfigError, r"latin1\.jsonl:1: not UTF-8 text \(byte 0xe9 at column 16\); convert the "
+                                           r"file to UTF-8"),
     "too_long_for_positions.yaml": (ConfigError, r"data\.max_prompt_length \(64\) \+ stages\[generate\]\.params\.max_tokens "
                                                  r"\(8\) = 72 exceeds the model's 32 positions"),
     "urls_not_one_per_replica.yaml": (ConfigError, r"stages\[generate\]\.params\.server\.urls names 1 server\(s\) "

@@ -127,6 +127,10 @@ def test_file_errors(tmp_path):
         load_dataset("jsonl", {"path": str(bad)}, 0)
     with pytest.raises(ConfigError, match=r"prompt_template must contain"):
         load_dataset("jsonl", {"path": path, "prompt_template": "no slot"}, 0)
+    latin1 = tmp_path / "latin1.jsonl"  # the bad byte past the first 8 KB, on line 3: named where it is
+    latin1.write_bytes(b'{"prompt": "' + b"a" * 9000 + b'"}\n{"prompt": "b"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match=r"latin1.jsonl:3: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_dataset("jsonl", {"path": str(latin1)}, 0)
 
 
 def test_parquet(tmp_path):
