@@ -221,6 +221,10 @@ class LeanForward:
         past = cache.length if cache is not None else 0
         mask = self._mask(key_mask, past, width)
         cos, sin = self._rope_at(position_ids)
+        device = input_ids.device.type
+        if torch.is_autocast_enabled(device):  # q and k come out of the projections in the autocast dtype: rotate
+            # them in it (as a model in that dtype does) rather than promoting them to float32 for the attention
+            cos, sin = cos.to(torch.get_autocast_dtype(device)), sin.to(torch.get_autocast_dtype(device))
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         x = self.embed(input_ids)  # the module: hooks on the input embeddings (token counters, tests) still see it
         for index, layer in enumerate(self.layers):
