@@ -16,7 +16,8 @@ policy version by one.
 Where it runs: on the driver, or, with one trainer worker (resources.task_stages_in_workers), as
 the last act of the trainer's chain call after the update (``calls=PUSH_ROLES``): the export and
 the version bump in the trainer's memory, the replicas called from there; one driver round trip
-per step less. Colocated with the engine, the whole push stays in that process.
+per step less. Colocated with the engine (or inline), the whole push stays in that process and, when not
+deferred, the engine copies the trainer's parameters in directly (``LocalTensors``: one copy, no buckets).
 
 Metrics per push: ``weight_sync/{export_s,transport_s,load_s,cache_reset_s,resume_s}``
 (slowest replica), ``bytes``, ``buckets``, ``mb_per_s`` (bytes over the whole push as
@@ -106,7 +107,13 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     version, hand the push to every replica's ``push_weights``; the per-push metrics."""
     workers = ctx.workers
     t0 = time.perf_counter()
-    if ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push") and workers.colocated("rollout", "actor"):
+    in_process = ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push")
+    if in_process and export == "export_for_push" and (workers.colocated("rollout", "actor")
+                                                       or getattr(workers, "in_process", False)):
+        # the trainer and the engine share this process and the push is not deferred: the engine copies the
+        # trainer's parameters in, once (no buckets, no checksums: nothing travels)
+        export = "export_local_push"
+    if in_process and workers.colocated("rollout", "actor"):
         # resources.colocate: the trainer shares the replica's process: one call, the buckets stay in its memory
         stats = _boundary("1-5 (in-process push)", lambda: workers.call("rollout", "push_from_local_trainer", export,
                                                                          *args, **replica_kwargs))

@@ -169,20 +169,65 @@ def _check(bucket: WeightBucket, params: dict[str, torch.nn.Parameter]) -> None:
             "transit; push the weights again"
         )
     for meta in bucket.tensors:
-        param = params.get(meta.name)
-        if param is None:
-            raise WeightTransportError(
-                f"weight {meta.name!r} is not a parameter of the engine's model; the trainer and the "
-                "rollout engine must build the same architecture (or pass a name_map on export)"
-            )
-        same_dtype = _dtype_name(param.dtype) == meta.dtype
-        if tuple(param.shape) != meta.shape or not (same_dtype or (meta.dtype in _FLOATS and param.is_floating_point())):
-            raise WeightTransportError(
-                f"weight {meta.name!r}: pushed {meta.dtype}{list(meta.shape)} but the engine holds "
-                f"{_dtype_name(param.dtype)}{list(param.shape)}; build both sides from the same model config"
-            )
+        _check_tensor(meta.name, meta.shape, meta.dtype, params)
         if meta.offset + meta.nbytes > bucket.nbytes:
             raise WeightTransportError(f"weight {meta.name!r} extends past the end of its bucket; it is truncated")
+
+
+def _check_tensor(name: str, shape: tuple[int, ...], dtype: str, params: dict[str, torch.nn.Parameter]) -> None:
+    param = params.get(name)
+    if param is None:
+        raise WeightTransportError(
+            f"weight {name!r} is not a parameter of the engine's model; the trainer and the "
+            "rollout engine must build the same architecture (or pass a name_map on export)"
+        )
+    same_dtype = _dtype_name(param.dtype) == dtype
+    if tuple(param.shape) != tuple(shape) or not (same_dtype or (dtype in _FLOATS and param.is_floating_point())):
+        raise WeightTransportError(
+            f"weight {name!r}: pushed {dtype}{list(shape)} but the engine holds "
+            f"{_dtype_name(param.dtype)}{list(param.shape)}; build both sides from the same model config"
+        )
+
+
+def _check_complete(params: dict[str, torch.nn.Parameter], loaded: list[str], strict: bool) -> None:
+    if len(set(loaded)) != len(loaded):
+        raise WeightTransportError("a weight push holds some tensor twice; export each parameter once")
+    missing = sorted(set(params) - set(loaded))
+    if strict and missing:
+        raise WeightTransportError(
+            f"a full weight push misses {len(missing)} parameter(s), e.g. {missing[:3]}; "
+            "export every parameter (or load with strict=False for a partial push)"
+        )
+
+
+@dataclass(frozen=True)
+class LocalTensors:
+    """A weight push that never leaves its process (the inline backend, or a trainer colocated with the engine):
+    the trainer's parameter tensors themselves, not copies. The receiver copies them into its engine in the
+    same call (:func:`load_tensors`: one copy, where buckets take two and two checksums); they are valid only
+    until the trainer's next update, so a deferred push never takes this form."""
+
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    export_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+@torch.no_grad()
+def load_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> list[str]:
+    """:func:`load_buckets` for a :class:`LocalTensors` push: every name, shape and dtype checked first, then
+    each tensor copied into the parameter of its name (a floating dtype converted)."""
+    named = list(named)
+    params = dict(model.named_parameters())
+    for name, tensor in named:
+        _check_tensor(name, tuple(tensor.shape), _dtype_name(tensor.dtype), params)
+    loaded = [name for name, _ in named]
+    _check_complete(params, loaded, strict)
+    for name, tensor in named:
+        params[name].copy_(tensor)
+    return loaded
 
 
 @torch.no_grad()
@@ -200,14 +245,7 @@ def load_buckets(model: torch.nn.Module, buckets: Iterable[WeightBucket], strict
     for bucket in buckets:
         _check(bucket, params)
     loaded = [meta.name for bucket in buckets for meta in bucket.tensors]
-    if len(set(loaded)) != len(loaded):
-        raise WeightTransportError("a weight push holds some tensor twice; export each parameter once")
-    missing = sorted(set(params) - set(loaded))
-    if strict and missing:
-        raise WeightTransportError(
-            f"a full weight push misses {len(missing)} parameter(s), e.g. {missing[:3]}; "
-            "export every parameter (or load with strict=False for a partial push)"
-        )
+    _check_complete(params, loaded, strict)
     for bucket in buckets:
         flat = _byte_view(bucket.data)
         for meta in bucket.tensors:

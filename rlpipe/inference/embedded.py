@@ -54,7 +54,7 @@ from rlpipe.inference.contract import (
     validate_request,
 )
 from rlpipe.backends.lean_forward import LeanForward, StaticKV, lean_unsupported
-from rlpipe.backends.weights import WeightBucket, load_buckets
+from rlpipe.backends.weights import LocalTensors, WeightBucket, load_buckets, load_tensors
 from rlpipe.jagged import distinct_rows
 
 if TYPE_CHECKING:  # transformers costs seconds to import; stage modules import this one at plan time
@@ -181,18 +181,22 @@ class EmbeddedEngine(RolloutEngine):
 
     # -- weights and memory ---------------------------------------------------------
 
-    def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> dict[str, float]:
-        """Load pushed weights (checked before any is written) and adopt their policy ``version``."""
+    def load_weights(self, buckets: Sequence[WeightBucket] | LocalTensors, version: int) -> dict[str, float]:
+        """Load pushed weights (checked before any is written) and adopt their policy ``version``; a
+        :class:`~rlpipe.backends.weights.LocalTensors` push (a trainer in this process) is copied straight in."""
         self._check_push(version)
         start = time.perf_counter()
         self._reallocate()
-        load_buckets(self.model, buckets)
+        if isinstance(buckets, LocalTensors):
+            load_tensors(self.model, buckets.tensors)
+        else:
+            load_buckets(self.model, buckets)
         self._discarded = None
         loaded = time.perf_counter()
         self.version = version
         self.reset_prefix_cache()
-        return {"load_s": loaded - start, "cache_reset_s": time.perf_counter() - loaded,
-                "bytes": float(sum(b.nbytes for b in buckets))}
+        nbytes = buckets.nbytes if isinstance(buckets, LocalTensors) else sum(b.nbytes for b in buckets)
+        return {"load_s": loaded - start, "cache_reset_s": time.perf_counter() - loaded, "bytes": float(nbytes)}
 
     def reset_prefix_cache(self) -> None:
         """Nothing to drop: no KV cache outlives its cohort (prefix reuse across requests is left out),

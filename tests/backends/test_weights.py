@@ -47,6 +47,23 @@ def test_a_float_push_into_another_float_dtype_is_converted_as_it_loads():
     assert all(torch.equal(p, q.float()) for p, q in zip(widened.parameters(), rollout.parameters()))
 
 
+def test_local_tensors_are_checked_whole_before_any_is_copied():
+    from rlpipe.backends.weights import load_tensors
+
+    src, dst = model(0), model(1)
+    before = logits(dst)
+    named = [(name, p.detach()) for name, p in src.named_parameters()]
+    wrong = named[:-1] + [(named[-1][0], torch.zeros(3, 3))]
+    with pytest.raises(WeightTransportError, match=r"pushed float32\[3, 3\] but the engine holds float32"):
+        load_tensors(dst, wrong)
+    with pytest.raises(WeightTransportError, match="a full weight push misses 1 parameter"):
+        load_tensors(dst, named[:-1])
+    assert torch.equal(logits(dst), before)  # nothing was written
+    assert sorted(load_tensors(dst, named)) == sorted(n for n, _ in named)
+    assert torch.equal(logits(dst), logits(src))
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(src.parameters(), dst.parameters()))  # copied
+
+
 def test_small_buckets_split_between_tensors_never_inside_one():
     src = model(0)
     buckets = export_buckets(src, bucket_bytes=4096)

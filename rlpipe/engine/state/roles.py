@@ -26,7 +26,7 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weight_broadcast import BroadcastPlan, BroadcastReceiver
 from rlpipe.backends.weight_delta import DeltaPush, DeltaReceiver, as_weight_push
-from rlpipe.backends.weights import WeightBucket, WeightPush, load_buckets
+from rlpipe.backends.weights import LocalTensors, WeightBucket, WeightPush, load_buckets, pack_buckets
 from rlpipe.engine.state.train_state import TrainState
 from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError, RlpipeError
@@ -81,6 +81,8 @@ class RolloutState:
         model_config = config.model.model_copy(update={"dtype": config.model.rollout_dtype or config.model.dtype})
         model = build_model(model_config, self.tokenizer, config.seed)
         impl, params = _generate_stage(config)
+        self._loads_local = impl == "embedded"
+        """Its engine copies a :class:`LocalTensors` push straight in (server engines take buckets)."""
         workdir = os.path.join(tempfile.gettempdir(), f"rlpipe-{config.name}-rollout{rank}-{os.getpid()}")
         inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}")
         engine = build_engine(impl, inputs)
@@ -112,6 +114,8 @@ class RolloutState:
         ``full_every`` versions) is rebuilt against this replica's last buckets and checksum-verified
         before anything is quiesced or written; ``bytes`` is then what was sent."""
         sent, delta_parts = None, 0.0
+        if isinstance(push, LocalTensors) and not self._loads_local:  # a server engine takes buckets
+            push = WeightPush(tuple(pack_buckets(push.tensors)), export_s=push.export_s, exported_at=time.time())
         if isinstance(push, DeltaPush):
             with _boundary(f"2 (transport: delta checksum, rollout replica {self.rank})"):
                 if push.version != version:
@@ -119,12 +123,17 @@ class RolloutState:
                 rebuilt = self._delta_receiver.rebuild(push, full_every)
             sent, delta_parts = float(push.nbytes), float(push.delta_parts)
             push = as_weight_push(push, rebuilt)
-        buckets = push.buckets if isinstance(push, WeightPush) else tuple(push)
-        # transport: from the export until the buckets are here (and, for a delta, rebuilt and verified)
-        stats = {"transport_s": time.time() - push.exported_at if isinstance(push, WeightPush) else 0.0,
-                 "export_s": push.export_s if isinstance(push, WeightPush) else 0.0,
-                 "bytes": sent if sent is not None else float(sum(b.nbytes for b in buckets)),
-                 "buckets": float(len(buckets)), "delta_buckets": delta_parts}
+        if isinstance(push, LocalTensors):  # nothing travelled: the engine copies the trainer's tensors in
+            buckets = push
+            stats = {"transport_s": 0.0, "export_s": push.export_s, "bytes": float(push.nbytes), "buckets": 0.0,
+                     "delta_buckets": 0.0}
+        else:
+            buckets = push.buckets if isinstance(push, WeightPush) else tuple(push)
+            # transport: from the export until the buckets are here (and, for a delta, rebuilt and verified)
+            stats = {"transport_s": time.time() - push.exported_at if isinstance(push, WeightPush) else 0.0,
+                     "export_s": push.export_s if isinstance(push, WeightPush) else 0.0,
+                     "bytes": sent if sent is not None else float(sum(b.nbytes for b in buckets)),
+                     "buckets": float(len(buckets)), "delta_buckets": delta_parts}
         self.engine.wake()
         service = getattr(self, "_service", None)
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
-from rlpipe.backends.weights import WeightPush, pack_buckets
+from rlpipe.backends.weights import LocalTensors, WeightPush, pack_buckets
 from rlpipe.engine.host import configure_process
 from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError, RlpipeError
@@ -243,6 +243,18 @@ class TrainState:
         if buckets is None:
             return None
         return WeightPush(tuple(buckets), export_s=time.perf_counter() - start, exported_at=time.time())
+
+    def export_local_push(self) -> LocalTensors | WeightPush | None:
+        """A push to a rollout engine in this process (the inline backend, resources.colocate), not deferred: the
+        parameters themselves (:class:`LocalTensors`; the engine copies them in at once), or
+        :meth:`export_for_push`'s buckets when this rank does not hold them whole. None off rank 0."""
+        if self.backend.sharded:
+            return self.export_for_push()
+        if self.rank != 0:
+            return None
+        start = time.perf_counter()
+        tensors = tuple(self.backend.full_parameters(self.model))
+        return LocalTensors(tensors, export_s=time.perf_counter() - start)
 
     def export_delta_push(self, full_every: int):
         """A delta push (rlpipe.backends.weight_delta) of the next version against this rank's last one; every
