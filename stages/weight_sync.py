@@ -107,14 +107,14 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     version, hand the push to every replica's ``push_weights``; the per-push metrics."""
     workers = ctx.workers
     t0 = time.perf_counter()
-    in_process = ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push")
-    if in_process and export == "export_for_push" and (workers.colocated("rollout", "actor")
-                                                       or getattr(workers, "in_process", False)):
-        # the trainer and the engine share this process and the push is not deferred: the engine copies the
+    undeferred = ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push")
+    colocated = undeferred and workers.colocated("rollout", "actor")
+    if export == "export_for_push" and (colocated or (undeferred and workers.in_process)):
+        # the trainer and the engine share a process and the push is not deferred: the engine copies the
         # trainer's parameters in, once (no buckets, no checksums: nothing travels)
         export = "export_local_push"
-    if in_process and workers.colocated("rollout", "actor"):
-        # resources.colocate: the trainer shares the replica's process: one call, the buckets stay in its memory
+    if colocated:
+        # resources.colocate: the trainer shares the replica's process: one call, the push stays in its memory
         stats = _boundary("1-5 (in-process push)", lambda: workers.call("rollout", "push_from_local_trainer", export,
                                                                          *args, **replica_kwargs))
         return _push_result(stats, float(stats[0]["version"]), t0, replica_kwargs)

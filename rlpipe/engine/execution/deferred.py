@@ -15,6 +15,10 @@ class DeferredCalls:
     may settle while the driver's main thread defers the next push.
     """
 
+    in_process = False
+    """Every worker state lives in the caller's process (the inline backend): a weight push may hand the trainer's
+    tensors over instead of buckets (weight_sync)."""
+
     def __init__(self) -> None:
         self._deferred: list[tuple[list[Any], str]] = []
         self._deferred_lock = threading.Lock()

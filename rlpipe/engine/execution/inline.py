@@ -32,7 +32,6 @@ class LocalWorkerCalls(DeferredCalls):
     """``ctx.workers`` for in-process states; ``call_async`` returns plain values."""
 
     in_process = True
-    """Every state lives in this process: a weight push hands the trainer's tensors over (weight_sync)."""
 
     def __init__(self, states: dict[str, list[Any]]):
         self.states = states
