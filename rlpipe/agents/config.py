@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rlpipe.agents.parsers import TOOL_PARSERS
+from rlpipe.agents.programs import AGENT_PROGRAMS
+from rlpipe.agents.tools import TOOLS
 from rlpipe.schemas.config import Strict
 
 
@@ -42,9 +45,6 @@ class AgentLoopParams(Strict):
     @model_validator(mode="after")
     def _known_parts(self) -> "AgentLoopParams":
         """Tools, their settings and the parser are checked here, before anything runs."""
-        from rlpipe.agents.parsers import TOOL_PARSERS
-        from rlpipe.agents.tools import TOOLS
-
         if self.parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {self.parser!r}; known: {', '.join(TOOL_PARSERS.names())}")
         unknown = sorted(set(self.tools) - set(TOOLS.names()))
@@ -85,8 +85,6 @@ class GatewayAgentParams(Strict):
     def _runnable(self) -> "GatewayAgentParams":
         from pathlib import Path
 
-        from rlpipe.agents.parsers import TOOL_PARSERS
-
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {self.tool_parser!r}; known: {', '.join(TOOL_PARSERS.names())}")
 
@@ -96,8 +94,6 @@ class GatewayAgentParams(Strict):
             return self
         if self.program is None:
             raise ValueError("set gateway.program (a registered agent program) or gateway.script")
-        from rlpipe.agents.gateway_agent import AGENT_PROGRAMS
-
         if self.program not in AGENT_PROGRAMS:
             raise ValueError(f"unknown agent program {self.program!r}; known: {', '.join(AGENT_PROGRAMS.names())}")
         return self

@@ -1,8 +1,8 @@
 """``gateway``: black-box agent programs as trajectories (seed 5.3-5.4).
 
 Each trajectory request starts an agent *program* — a registered function
-(registry ``agent_program``: ``fn(base_url, api_key, prompt)``) run in a thread,
-or a Python script run as a subprocess with ``OPENAI_BASE_URL``,
+(registry ``agent_program``, :mod:`rlpipe.agents.programs`: ``fn(base_url, api_key,
+prompt)``) run in a thread, or a Python script run as a subprocess with ``OPENAI_BASE_URL``,
 ``OPENAI_API_KEY`` and the prompt on stdin — pointed at this replica's
 :class:`~rlpipe.agents.gateway.Gateway` with a base URL that carries the
 session id. The program talks OpenAI chat completions; the gateway records the
@@ -26,7 +26,6 @@ program raised or exited non-zero, or never called the gateway).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -36,70 +35,17 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from rlpipe.agents.config import GatewayAgentParams
 from rlpipe.agents.gateway import Gateway, GatewayError
 from rlpipe.agents.loop import AGENTS, AgentEngine, Episode, Phase
-from rlpipe.agents.parsers import build_parser
-from rlpipe.agents.tools import ToolOutput, build_tool
+from rlpipe.agents.programs import AGENT_PROGRAMS
 from rlpipe.inference.contract import GenerationRequest, GenerationResult, RolloutEngine
-from rlpipe.registry import registry
 from rlpipe.schemas.batch import STATUS_FAILED, STATUS_TRUNCATED
 
 log = logging.getLogger(__name__)
-
-AGENT_PROGRAMS = registry("agent_program")
-
-
-def chat_completion(base_url: str, api_key: str | None, messages: list[dict], timeout: float = 120.0,
-                    **fields: Any) -> dict:
-    """One OpenAI-style ``POST {base_url}/chat/completions`` with urllib (what any OpenAI client sends)."""
-    data = json.dumps({"model": "rlpipe-policy", "messages": messages, **fields}).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    with urllib.request.urlopen(urllib.request.Request(f"{base_url}/chat/completions", data, headers),
-                                timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def calculator_client(base_url: str, api_key: str | None, prompt: str, max_turns: int = 4) -> None:
-    """A plain OpenAI-client agent: ask, run the calculator on every call in the reply (compact or hermes
-    format), send the outputs back as a `tool` message, until a reply has no call."""
-    parsers = [build_parser("compact"), build_parser("hermes")]
-    calculator = build_tool("calculator")
-    messages = [{"role": "user", "content": prompt}]
-    for _ in range(max_turns):
-        choice = chat_completion(base_url, api_key, messages)["choices"][0]
-        content = choice["message"]["content"]
-        messages.append({"role": "assistant", "content": content})
-        calls = next((found for parser in parsers if (found := parser.parse(content))), [])
-        if choice["finish_reason"] == "length" or not calls:
-            return
-        outputs = [calculator.run(c.call.arguments) if c.call is not None and c.call.name == "calculator"
-                   else ToolOutput("error: unknown tool", ok=False) for c in calls]
-        messages.append({"role": "tool", "content": " ".join(o.text for o in outputs)})
-
-
-AGENT_PROGRAMS.add("calculator_client", calculator_client)
-
-
-def lookup_client(base_url: str, api_key: str | None, prompt: str) -> None:
-    """The agent_tools task as a black-box OpenAI-client agent: ask; if the reply calls the lookup (a `!`, the
-    `trigger` format), look the prompt's key up and send the observation (`=7`) as a `tool` message; ask again."""
-    parser, lookup = build_parser("trigger", "lookup"), build_tool("lookup")
-    messages = [{"role": "user", "content": prompt}]
-    choice = chat_completion(base_url, api_key, messages)["choices"][0]
-    calls = parser.parse(choice["message"]["content"], prompt)
-    if choice["finish_reason"] == "length" or not calls:
-        return
-    messages += [{"role": "assistant", "content": choice["message"]["content"]},
-                 {"role": "tool", "content": parser.observation([lookup.run(calls[0].call.arguments)])}]
-    chat_completion(base_url, api_key, messages)
-
-
-AGENT_PROGRAMS.add("lookup_client", lookup_client)
 
 
 def run_script(script: str, base_url: str, api_key: str | None, prompt: str, timeout: float) -> None:

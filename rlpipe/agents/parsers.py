@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlpipe.agents.tools import ToolCall, ToolOutput
+from rlpipe.agents.tool_types import ToolCall, ToolOutput
 from rlpipe.registry import registry
 
 TOOL_PARSERS = registry("tool_parser")

@@ -30,7 +30,7 @@ warning is logged once; :func:`network_isolated` says which case holds).
 
 Outcomes: the code's failure (non-zero exit, a traceback, a limit hit, a
 timeout) is an observation with ``ok=False`` and the reason; a failure to start
-the sandbox at all raises :class:`~rlpipe.agents.tools.ToolInfraError`.
+the sandbox at all raises :class:`~rlpipe.agents.tool_types.ToolInfraError`.
 
 Left out: a filesystem jail (no chroot or mount namespace without root: the code
 runs as this user and can *read* what the user can), seccomp filters, GPU
@@ -51,7 +51,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from rlpipe.agents.tools import ToolInfraError, ToolOutput
+from rlpipe.agents.tool_types import ToolInfraError, ToolOutput
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ Built-ins: ``calculator`` (arithmetic through :mod:`ast`, never ``eval``),
 latency) and ``lookup`` (a secret keyed table: the answer of the ``lookup``
 dataset, which a model can only get by calling it). Plugins register more with ``TOOLS.add(name, factory)`` from an
 ``rlpipe.plugins`` entry point; a factory takes the tool's settings (a dict from
-``agent_loop.tool_settings``) and returns a Tool.
+``agent_loop.tool_settings``) and returns a Tool. The tool types themselves are defined in
+:mod:`rlpipe.agents.tool_types` and re-exported here.
 """
 
 from __future__ import annotations
@@ -24,38 +25,20 @@ import math
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
-from rlpipe.errors import RlpipeError
+from rlpipe.agents.sandbox import PythonTool, SandboxLimits
+from rlpipe.agents.tool_types import Tool, ToolCall, ToolInfraError, ToolOutput
 from rlpipe.registry import registry
 
+# Tool, ToolCall, ToolInfraError and ToolOutput live in tool_types, below the sandbox this module registers (so
+# the sandbox needs nothing from here); they stay importable from here, where callers import them.
+__all__ = [
+    "TOOLS", "Calculator", "CalculatorError", "LatencyTool", "LookupTool", "Tool", "ToolCall", "ToolInfraError",
+    "ToolOutput", "build_tool", "evaluate", "format_number", "lookup_value",
+]
+
 TOOLS = registry("tool")
-
-
-class ToolInfraError(RlpipeError):
-    """A tool could not run at all (not a failure of the call itself): the trajectory is marked failed."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model asked for: a tool name and its arguments (already parsed)."""
-
-    name: str
-    arguments: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ToolOutput:
-    """What a call returned: the observation text and whether the call succeeded."""
-
-    text: str
-    ok: bool = True
-
-
-class Tool(Protocol):
-    name: str
-
-    def run(self, arguments: Mapping[str, Any]) -> ToolOutput: ...
 
 
 def build_tool(name: str, settings: Mapping[str, Any] | None = None) -> Tool:
@@ -191,10 +174,6 @@ class LookupTool:
 TOOLS.add("lookup", lambda settings: LookupTool(**settings))
 
 
-def _python(settings: Mapping[str, Any]) -> Tool:
-    from rlpipe.agents.sandbox import PythonTool, SandboxLimits
+# -- python (rlpipe.agents.sandbox) --------------------------------------------------
 
-    return PythonTool(SandboxLimits(**settings))
-
-
-TOOLS.add("python", _python)
+TOOLS.add("python", lambda settings: PythonTool(SandboxLimits(**settings)))

@@ -15,8 +15,8 @@ import pytest
 from agent_fixtures import CHAT, TURN1, TURN2, chat_model, tok  # noqa: F401 (fixtures)
 from rlpipe.agents.chat import render
 from rlpipe.agents.gateway import EngineDriver, Gateway
-from rlpipe.agents.gateway_agent import calculator_client, chat_completion
 from rlpipe.agents.loop import build_agent
+from rlpipe.agents.programs import calculator_client, chat_completion
 from rlpipe.inference.contract import GenerationRequest, SamplingParams
 from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.stages.generate import GenerateParams

@@ -22,7 +22,7 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.engine.host import configure_process
 from rlpipe.engine.state.train_state import NumericalError, TrainState, lr_lambda, updates_per_step
-from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
+from rlpipe.engine.state.trainer_backend_registry import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import PipelineConfig
 

@@ -25,7 +25,7 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import LocalTensors, WeightPush, pack_buckets
 from rlpipe.engine.host import configure_process
-from rlpipe.engine.state.trainer_backends import TRAINER_BACKENDS
+from rlpipe.engine.state.trainer_backend_registry import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.schemas.config import LRScheduleConfig, PipelineConfig
 

@@ -18,7 +18,10 @@
   only (megatron-core's RNG tracker, RoPE, schedules and DDP allocate on ``cuda``): refused by
   the plan check on CPU; TP = PP = 1; no checkpoints, no critic.
 
-A backend is registered in the ``trainer_backend`` registry; ``TrainState`` calls its hooks.
+A backend is registered in the ``trainer_backend`` registry
+(:mod:`rlpipe.engine.state.trainer_backend_registry`, re-exported here); ``TrainState`` looks its
+backend up there and calls its hooks, and ``build_state`` builds the rank's state, so this module
+sits above the states it builds.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from rlpipe.engine.state.megatron_state import MegatronTrainState
+from rlpipe.engine.state.train_state import TrainState
+from rlpipe.engine.state.trainer_backend_registry import TRAINER_BACKENDS
 from rlpipe.errors import ConfigError
-from rlpipe.registry import registry
-
-TRAINER_BACKENDS = registry("trainer_backend")
 
 
 class ReplicatedBackend:
@@ -46,8 +49,6 @@ class ReplicatedBackend:
 
     def build_state(self, config, rank: int, world_size: int, dist_address: str | None):
         """The actor's trainer state for one DP rank under this backend."""
-        from rlpipe.engine.state.train_state import TrainState
-
         return TrainState(config, rank, world_size, dist_address)
 
     def wrap(self, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
@@ -139,8 +140,6 @@ class MegatronBackend(ReplicatedBackend):
                               "stages (a critic): use trainer.backend fsdp2 or replicated for PPO with a critic")
 
     def build_state(self, config, rank: int, world_size: int, dist_address: str | None):
-        from rlpipe.engine.state.megatron_state import MegatronTrainState
-
         return MegatronTrainState(config, rank, world_size, dist_address)
 
     def wrap(self, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
