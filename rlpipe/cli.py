@@ -119,13 +119,14 @@ def _validate(path: str, overrides: list[str]) -> int:
 
     config, _ = load_pipeline(path, overrides)
     plan = build_plan(config)
-    table = Table(title=f"{path}: valid ({plan.mode_name} mode)")
-    for column in ("node", "kind/impl", "runs on", "reads", "writes"):
+    table = Table(title=f"{path}: valid ({plan.mode_name} mode); the step DAG in run order")
+    for column in ("node", "kind/impl", "runs on", "waits for", "writes"):
         table.add_column(column)
+    order = {n.name: i for i, n in enumerate(plan.nodes)}
     for node in plan.nodes:
         where = node.spec.role if node.spec.placement == "worker" else node.spec.placement
-        table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(sorted(node.reads)),
-                      ", ".join(sorted(node.writes)))
+        waits = sorted(node.depends_on, key=order.__getitem__)
+        table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(waits), ", ".join(sorted(node.writes)))
     Console().print(table)
     from rlpipe.engine.host import run_thread_budget
 

@@ -20,24 +20,24 @@ from pydantic import BaseModel, ValidationError
 from rlpipe.engine.planning.config_reference import _first_paragraph, _plain, _type_name
 from rlpipe.errors import ConfigError
 from rlpipe.registry import kinds, registry
-from rlpipe.stage import STEP_KINDS
+from rlpipe.stage_kinds import get_kind, known_kinds
 
 DESCRIPTION_WIDTH = 90
 """Characters of a description shown in the overview (the detail view shows it whole)."""
 
 
 def stage_kinds() -> list[str]:
-    """Registered stage kinds, the step's canonical order first."""
-    order = {kind: i for i, kind in enumerate(STEP_KINDS)}
-    return sorted((k.removeprefix("stage.") for k in kinds() if k.startswith("stage.")),
-                  key=lambda k: (order.get(k, len(order)), k))
+    """Registered stage kinds: the built-ins in step order, then the plugins'."""
+    return known_kinds()
 
 
 def overview() -> str:
     lines = []
     for kind in stage_kinds():
-        lines.append(f"{kind}:")
+        lines.append(f"{kind}: {get_kind(kind).doc}")
         impls = list(registry(f"stage.{kind}").items())
+        if not impls:
+            continue
         width = max(len(impl) for impl, _ in impls)
         shared = _shared_functions([spec for _, spec in impls])
         for impl, spec in impls:
@@ -45,7 +45,7 @@ def overview() -> str:
             lines.append(f"  {impl:<{width}}  {where:<13} {_short(_first_sentence(_description(spec, shared)))}")
     lines.append("")
     for kind in kinds():
-        if not kind.startswith("stage."):
+        if not kind.startswith("stage"):
             lines.append(f"{kind}: {', '.join(registry(kind).names())}")
     lines.append("")
     lines.append("rlpipe stages KIND (or KIND/IMPL) shows each implementation's columns and params with defaults")

@@ -1,6 +1,7 @@
 """The stage contract: what a DAG node is, independent of how it runs.
 
-A stage implementation is registered under its kind (``stage.<kind>``) with
+A stage implementation is registered under its kind (``stage.<kind>``; the kind itself is
+registered in :mod:`rlpipe.stage_kinds`) with
 
 * a pydantic ``Params`` model (``extra="forbid"``; defaults live there),
 * the columns it ``reads`` and ``writes`` (name → Arrow type), possibly
@@ -22,34 +23,14 @@ import functools
 import hashlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import column_type
-
-# The kinds of the step DAG, in their canonical order. Optional kinds take part
-# only when a pipeline declares them.
-STEP_KINDS = (
-    "generate",
-    "reward",
-    "filter_groups",
-    "staleness_guard",
-    "balance",
-    "old_log_prob",
-    "ref",
-    "rollout_correction",
-    "critic_values",
-    "advantage",
-    "critic_update",
-    "update",
-    "weight_sync",
-)
-REQUIRED_KINDS = ("generate", "reward", "balance", "old_log_prob", "advantage", "update", "weight_sync")
-
-Placement = Literal["task", "worker", "driver"]
+from rlpipe.stage_kinds import Placement, get_kind
 
 
 class StageParams(BaseModel):
@@ -122,6 +103,9 @@ class StageContext:
     """Run information from the engine: ``temperature`` (the generate node's), mode-specific values."""
     carry: dict[str, Any] = field(default_factory=dict)
     """What this node returned as ``StageResult.carry`` at its previous execution."""
+    plugins: tuple[Any, ...] = ()
+    """The pipeline's plugin files (rlpipe.plugin_files.PluginFile): imported where the stage runs before its
+    implementation is looked up, so a Ray task worker knows the kinds and impls they register."""
 
 
 class WorkerCalls(Protocol):
@@ -202,7 +186,7 @@ def stage(
     reads: Columns | ColumnsFn,
     writes: Columns | ColumnsFn,
     params: type[BaseModel] = NoParams,
-    placement: Placement = "task",
+    placement: Placement | None = None,
     role: str | None = None,
     creates_rows: bool = False,
     check: Callable[[BaseModel, Any, Any], None] | None = None,
@@ -213,8 +197,12 @@ def stage(
 
     Task stages are ``fn(batch, params, ctx)``; worker stages are
     ``fn(worker_state, batch, params, ctx)``; driver stages are
-    ``fn(batch, params, ctx)`` with ``ctx.workers`` set.
+    ``fn(batch, params, ctx)`` with ``ctx.workers`` set. ``kind`` must be registered
+    (:func:`rlpipe.stage_kinds.stage_kind`); ``placement`` and ``role`` default to the kind's.
     """
+    declared = get_kind(kind)
+    if placement is None:
+        placement, role = declared.placement, role or declared.role
     if placement == "worker" and not role:
         raise ValueError(f"worker stage {kind}/{impl} needs a role")
     if calls and placement != "driver":

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rlpipe.plugin_files import PluginFile
+
 
 def refuse_bool_for_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """YAML's ``true`` is not a number: a bool given for an int/float field (``total_steps: true``,
@@ -377,7 +379,8 @@ class StageConfig(Strict):
     """One node of the step DAG."""
 
     kind: str
-    """Stage kind: generate, reward, balance, old_log_prob, ref, advantage, update, weight_sync, ..."""
+    """Stage kind: generate, reward, balance, old_log_prob, ref, advantage, update, weight_sync, ... or one a
+    plugin registers (`rlpipe stages` lists them)."""
     impl: str
     """Registered implementation name under that kind (`rlpipe stages` lists them)."""
     name: str | None = None
@@ -388,6 +391,9 @@ class StageConfig(Strict):
     """Longest one execution of this node may take, in seconds; past it the run fails with an error naming
     the stage, impl, step and worker (a hung Ray task is cancelled, a hung worker actor killed). None waits
     forever. The default bounds a hang without tripping slow real steps; lower it for small models."""
+    after: list[str] = Field(default_factory=list, max_length=100)
+    """Nodes this one runs after besides those whose columns it reads; needed where it replaces a column another
+    node writes without reading it."""
 
     @property
     def node_name(self) -> str:
@@ -417,8 +423,13 @@ class PipelineConfig(Strict):
     """Where things run."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow and lineage."""
+    plugins: list[PluginFile] = Field(default_factory=list, max_length=100)
+    """Python files imported before the pipeline is planned, on the driver and every worker: they register stage
+    kinds and impls (rlpipe.stage_kinds, rlpipe.stage) or other parts, as a package's `rlpipe.plugins` entry point
+    does. Paths are relative to the directory rlpipe is launched from; the driver ships their source."""
     stages: list[StageConfig]
-    """The nodes of the step DAG; order does not matter, the column contracts wire them."""
+    """The nodes of the step DAG. The column contracts wire them; the YAML order decides only which version a
+    node sees of a column (or row set) that several nodes write: the last one listed before it."""
 
     @field_validator("name")
     @classmethod

@@ -204,7 +204,7 @@ def _score_on(state, batch: pa.Table, params: LogProbParams, ctx, with_sum_pi_sq
                        with_sum_pi_squared, getattr(state, "forward_passes", None), autocast_dtype(state.config))
 
 
-@stage("old_log_prob", "bypass", reads=cols(ROLLOUT_LOGPROBS), writes=cols(OLD_LOGPROBS))
+@stage("old_log_prob", "bypass", placement="task", reads=cols(ROLLOUT_LOGPROBS), writes=cols(OLD_LOGPROBS))
 def bypass_old_logprobs(batch: pa.Table, params, ctx) -> StageResult:
     """π_old = the rollout's own logprobs (skips a forward pass; same precision required)."""
     require_rollout_logprobs(batch)

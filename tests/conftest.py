@@ -261,9 +261,13 @@ def sync_run(ray_session, tmp_path_factory) -> TrackedRun:
         trainer={"total_steps": 3, "dp_size": 2, "output_dir": str(workdir / "outputs"), "save_every": 2},
         tracking={"uri": uri, "experiment": "rlpipe-e2e", "sample_trajectories": 4},
     )
-    stages = [s for s in raw["stages"] if s["kind"] != "update"]
-    stages.append({"kind": "ref", "impl": "reference"})
-    stages.append({"kind": "update", "impl": "ppo", "params": {"use_kl_loss": True, "kl_loss_coef": 0.01}})
+    stages = []  # the reference model's node listed after old_log_prob: the plan runs nodes in YAML order
+    for s in raw["stages"]:
+        if s["kind"] == "update":
+            s = {"kind": "update", "impl": "ppo", "params": {"use_kl_loss": True, "kl_loss_coef": 0.01}}
+        stages.append(s)
+        if s["kind"] == "old_log_prob":
+            stages.append({"kind": "ref", "impl": "reference"})
     raw["stages"] = stages
     config = validate_config(raw)
     yaml_text = yaml.safe_dump(raw)

@@ -22,9 +22,10 @@ CASES = {
                                      r"did you mean 'grpo'\?; known: .*grpo"),
     "bad_params.yaml": (ConfigError, r"stages\[0:generate\]\.params\.temprature: unknown param; did you mean "
                                     r"'temperature'\? allowed: .*temperature"),
-    "missing_writer.yaml": (PlanError, r"update \(update/ppo\) reads column 'ref_logprobs' but no stage before it writes it; add a stage that writes it: ref/reference"),
+    "missing_writer.yaml": (PlanError, r"update \(update/ppo\) reads column 'ref_logprobs' but no stage writes it; add a stage that writes it: ref/reference"),
     "missing_kind.yaml": (PlanError, r"no stage of kind balance"),
-    "two_writers.yaml": (PlanError, r"two writers of column 'old_logprobs'.*old_log_prob and old_log_prob_again"),
+    "two_writers.yaml": (PlanError, r"two writers of column 'old_logprobs': old_log_prob \(old_log_prob/trainer\) and old_log_prob_again "
+                                   r"\(old_log_prob/bypass\); remove one, or give old_log_prob_again `after: \[old_log_prob\]`"),
     "bad_mode.yaml": (RlpipeError, r"unknown mode 'synchronous'; known: .*sync"),
     "bad_batch_arithmetic.yaml": (ConfigError, r"prompts_per_step=16 is not a multiple of trainer\.ppo_mini_batch_size=5"),
     # issue 14 part 4: what validate checks without starting Ray

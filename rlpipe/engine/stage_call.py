@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from rlpipe.deadline import call_with_deadline
 from rlpipe.errors import StageError
+from rlpipe.plugin_files import import_plugin_files
 from rlpipe.registry import load_plugins
 from rlpipe.stage import StageContext, StageResult, stage_registry
 
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 def run_stage(spec_kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext, state: Any = None):
     load_plugins()
+    if ctx.plugins:
+        import_plugin_files(ctx.plugins)
     spec = stage_registry(spec_kind).get(impl)
     parsed = spec.params_model.model_validate(params)
     try:

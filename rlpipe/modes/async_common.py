@@ -27,6 +27,7 @@ from rlpipe.modes.sync import check_batch_arithmetic
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import SAMPLE_INDEX, UID
 from rlpipe.stage import StageContext, StageParams
+from rlpipe.stage_kinds import step_role_of
 from rlpipe.stages.algos.batch_io import groups_by_appearance
 from rlpipe.stages.generate import generation_seed
 
@@ -55,14 +56,14 @@ class AsyncParams(StageParams):
 
 def split_plan(plan) -> tuple[list, list]:
     """(generation-side nodes after generate, training-side nodes from the staleness guard on)."""
-    kinds = [n.kind for n in plan.nodes]
-    if "staleness_guard" not in kinds:
+    guard = plan.anchor("guards_staleness")
+    if guard is None:
         raise PlanError(
             f"mode {plan.mode_name!r} needs a staleness_guard stage between generation and training; "
             "add `- {kind: staleness_guard, impl: max_staleness}` to stages"
         )
-    cut = kinds.index("staleness_guard")
-    head = [n for n in plan.nodes[:cut] if n.kind not in ("generate", "filter_groups")]
+    cut = plan.nodes.index(guard)
+    head = [n for n in plan.nodes[:cut] if n.step_role not in ("generates", "selects_groups")]
     return head, plan.nodes[cut:]
 
 
@@ -71,7 +72,7 @@ def check_async(config, plan) -> None:
     check_batch_arithmetic(config)
     split_plan(plan)
     for node in plan.nodes:
-        if node.kind == "reward" and node.spec.placement == "worker" and node.spec.role in ("actor", "rollout"):
+        if node.step_role == "scores" and node.spec.placement == "worker" and node.spec.role in ("actor", "rollout"):
             raise ConfigError(
                 f"{plan.mode_name}: the reward model of stage {node.name!r} runs on the {node.spec.role!r} workers; "
                 "an async mode needs it in its own pool (a task or a separate role) so grading stays off the "
@@ -82,9 +83,9 @@ def check_async(config, plan) -> None:
 def build_sampler(config, rank: int, world_size: int, dist_address: str | None):
     """The ``sampler`` role: the registered sampler built from the mode's params."""
     params = registry("mode").get(config.mode).Params.model_validate(config.mode_params)
-    generate = next(s for s in config.stages if s.kind == "generate")
+    generate = next(s for s in config.stages if step_role_of(s.kind) == "generates")
     cls = registry("sampler").get(params.sampler)
-    filter_groups = any(s.kind == "filter_groups" for s in config.stages)
+    filter_groups = any(step_role_of(s.kind) == "selects_groups" for s in config.stages)
     return SharedSampler(cls(cls.Params.model_validate({
         "max_off_policy_threshold": params.max_off_policy_threshold, "strategy": params.strategy,
         "capacity_steps": params.capacity_steps, "filter_groups": filter_groups,

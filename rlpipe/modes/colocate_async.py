@@ -55,7 +55,7 @@ class ColocateAsyncMode(AsyncMode):
             runtime.executor.before_node.append(self._release_before_update)
 
     def _release_before_update(self, node, step) -> None:
-        if node.kind == "update":
+        if node.step_role == "updates_policy":
             self.runtime.workers.call("rollout", "release_for_training")
 
     def run(self) -> None:

@@ -46,8 +46,8 @@ class SyncMode(Mode):
     def run(self) -> None:
         rt = self.runtime
         nodes = rt.plan.nodes
-        kinds = [n.kind for n in nodes]
-        cut = kinds.index("filter_groups") + 1 if "filter_groups" in kinds else 0
+        selects = rt.plan.anchor("selects_groups")  # dynamic sampling: the nodes up to it refill the step
+        cut = nodes.index(selects) + 1 if selects is not None else 0
         total = rt.config.trainer.total_steps
         following = None  # the next step's prompts, drawn early for its first chain to start early
         for step in range(rt.start_step, total):

@@ -82,7 +82,7 @@ class StepExecutor:
         self.run_id = run_id
         self.seed = seed
         self.policy_version = 0
-        generate = plan.node("generate")
+        generate = plan.anchor("generates")
         # One source of truth for sampling temperature: the generate node's params.
         self.base_extras = {"temperature": float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0}
         self.carry: dict[str, dict[str, Any]] = {}
@@ -230,7 +230,7 @@ class StepExecutor:
     def _context(self, step: int, node: PlannedNode, extras: dict[str, Any]) -> StageContext:
         return StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
                             dp_size=self.dp_size, extras={**self.base_extras, **extras},
-                            carry=dict(self.carry.get(node.name, {})))
+                            carry=dict(self.carry.get(node.name, {})), plugins=self.plan.plugins)
 
     def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint,
                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
@@ -355,7 +355,7 @@ class StepExecutor:
                 where: str | None = None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
-        if node.kind == "weight_sync":
+        if node.step_role == "pushes_weights":
             # the push reports the version it bumped to; ask the trainer only when an impl does not
             pushed = result.metrics.get("weight_sync/version")
             self.policy_version = int(pushed) if pushed is not None else int(

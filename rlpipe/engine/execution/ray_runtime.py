@@ -29,6 +29,7 @@ from rlpipe.engine.execution.wire import register_arrow_ipc
 from rlpipe.engine.execution.worker_start import Demand, check_demand, wait_started
 from rlpipe.engine.files.ship import ShippedDirs, localize
 from rlpipe.jagged import contiguous
+from rlpipe.plugin_files import import_plugin_files
 from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES, worker_processes
 from rlpipe.errors import RlpipeError
@@ -117,6 +118,7 @@ class WorkerActor:
         if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
             config, self.local_dirs = localize(config, shipped)
         parsed = PipelineConfig.model_validate(config)
+        import_plugin_files(parsed.plugins)  # its stages (the rollout feeder's) and the parts they name
         for role in roles:
             self.states[role] = WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address)
         self.state = self.states[roles[0]]

@@ -34,7 +34,7 @@ from pydantic.fields import FieldInfo
 
 from rlpipe.registry import kinds, registry
 from rlpipe.schemas.config import PipelineConfig
-from rlpipe.stage import STEP_KINDS
+from rlpipe.stage_kinds import get_kind, known_kinds
 
 HEADER = """# Pipeline YAML reference
 
@@ -220,15 +220,13 @@ def _part_section(heading: str, params: type[BaseModel], prefix: str, level: int
 def _stage_sections(seen: dict[type[BaseModel], str]) -> list[str]:
     out = ["## Stage implementations\n",
            "A node of `stages:` names a `kind` and an `impl`; its `params` are validated by that impl's "
-           "params model, below. Kinds in the step's canonical order, impls sorted. Runs on: `task` "
+           "params model, below. Kinds in the order of a step (a plugin may register more: `rlpipe.stage_kinds`), impls sorted. Runs on: `task` "
            "(a Ray task, or inside the call of the worker next to it), `driver`, or a worker role.\n"]
-    order = {kind: i for i, kind in enumerate(STEP_KINDS)}
-    stage_kinds = sorted((k[len("stage."):] for k in kinds() if k.startswith("stage.")),
-                         key=lambda k: (order.get(k, len(order)), k))
-    for kind in stage_kinds:
+    for kind in known_kinds():
         impls = [(impl, spec) for impl, spec in registry(f"stage.{kind}").items() if _builtin(spec)]
         if impls:
             out.append(f"### `{kind}`\n")
+            out.append(f"{get_kind(kind).doc}\n")
             out.append("impls: " + ", ".join(f"`{impl}`" for impl, _ in impls) + "\n")
         for impl, spec in impls:
             where = spec.role if spec.placement == "worker" else spec.placement
@@ -251,7 +249,7 @@ def _other_registries() -> list[str]:
     rows = ["| registry | names |", "|---|---|"]
     for kind in kinds():
         names = [name for name, obj in registry(kind).items() if _builtin(obj)]
-        if names and not kind.startswith("stage.") and kind not in ("mode", "dataset"):
+        if names and not kind.startswith("stage") and kind not in ("mode", "dataset"):
             rows.append(f"| `{kind}` | " + ", ".join(f"`{n}`" for n in names) + " |")
     return ["## Other registered names\n",
             "Params that name a registered part (e.g. `update.params.policy_loss`, the scorers of "

@@ -1,12 +1,10 @@
 """The planner: pipeline config → checked logical DAG.
 
-Nodes are ordered by the canonical kind order of the step DAG
-(:data:`rlpipe.stage.STEP_KINDS`) and, within a kind, by declaration. Each read
-column is wired to its provider: the nearest earlier node that writes it (or the
-prompt source). Everything is checked here, before any process starts: unknown
-kinds and impls, bad params, missing required kinds, a read with no writer, a
-read only a later node can satisfy (a cycle), two writers of one column at the
-same position, type mismatches, and the mode's constraints.
+The edges come from the column contracts and the YAML (:mod:`rlpipe.engine.planning.wiring`); the
+nodes run in an order those edges allow, the YAML's wherever it is one. Everything is checked here,
+before any process starts: unknown kinds and impls, bad params, missing required kinds, two nodes in
+one step role (two generators), a read with no writer, a cycle, two writers of one column, type
+mismatches, and the mode's constraints.
 """
 
 from __future__ import annotations
@@ -21,18 +19,17 @@ from pydantic import BaseModel, ValidationError
 
 from rlpipe.engine.planning import preflight
 from rlpipe.engine.planning.config_io import message, shown
+from rlpipe.engine.planning.wiring import SOURCE, wire
 from rlpipe.engine.tracking.lineage import params_hash
 from rlpipe.engine.tracking.metric_loggers import check_loggers
 from rlpipe.errors import ConfigError, PlanError
+from rlpipe.plugin_files import PluginFile, import_plugin_files
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import PROMPT_COLUMNS, column_type
 from rlpipe.schemas.config import PipelineConfig
-from rlpipe.stage import REQUIRED_KINDS, STEP_KINDS, StageSpec, stage_registry
+from rlpipe.stage import StageSpec, stage_registry
+from rlpipe.stage_kinds import SINGLE_ROLES, StepRole, get_kind, known_kinds
 from rlpipe.stages.datasets import validate_params as validate_dataset_params
-
-SOURCE = "<prompts>"
-"""Provider name of the columns the prompt source (data loader) supplies."""
-
 
 @dataclass
 class PlannedNode:
@@ -49,6 +46,15 @@ class PlannedNode:
     """Read column → name of the node (or SOURCE) that provides it."""
     timeout_s: float | None = None
     """Longest one execution may take (the stage config's ``timeout_s``; None: unbounded)."""
+    after: tuple[str, ...] = ()
+    """Nodes the YAML says this one runs after (``after:``), besides what its reads imply."""
+    depends_on: dict[str, str] = field(default_factory=dict)
+    """Every node this one waits for → why (a column it reads, a row set or state it replaces, ``after:``)."""
+
+    @property
+    def step_role(self) -> StepRole | None:
+        """What the modes use this node for (its kind's step role)."""
+        return get_kind(self.kind).step_role
 
     @property
     def params_dict(self) -> dict[str, Any]:
@@ -71,10 +77,20 @@ class Plan:
     nodes: list[PlannedNode]
     mode_name: str
     mode_params: BaseModel
+    plugins: tuple[PluginFile, ...] = ()
+    """The pipeline's plugin files, imported wherever a stage runs (StageContext.plugins)."""
 
     def node(self, kind: str) -> PlannedNode | None:
         """The first node of ``kind`` (None when the pipeline has none)."""
         return next((n for n in self.nodes if n.kind == kind), None)
+
+    def anchor(self, step_role: StepRole) -> PlannedNode | None:
+        """The node playing ``step_role`` (one of SINGLE_ROLES; None when no node does)."""
+        return next((n for n in self.nodes if n.step_role == step_role), None)
+
+    def with_role(self, step_role: StepRole) -> list[PlannedNode]:
+        """Every node playing ``step_role``, in run order."""
+        return [n for n in self.nodes if n.step_role == step_role]
 
     def roles(self) -> set[str]:
         """Worker roles that host at least one node."""
@@ -86,7 +102,7 @@ class Plan:
             "nodes": [
                 {"name": n.name, "kind": n.kind, "impl": n.impl, "placement": n.spec.placement,
                  "role": n.spec.role, "reads": sorted(n.reads), "writes": sorted(n.writes),
-                 "upstream": sorted(n.upstream)}
+                 "upstream": sorted(n.upstream), "depends_on": dict(sorted(n.depends_on.items()))}
                 for n in self.nodes
             ],
         }
@@ -94,20 +110,28 @@ class Plan:
 
 def build_plan(config: PipelineConfig) -> Plan:
     """Check ``config`` and return its logical DAG; raises PlanError/ConfigError with the fix."""
+    import_plugin_files(config.plugins)  # before anything looks a kind or impl up
     validate_dataset_params(config.data.source, config.data.params)
     preflight.check_config(config)
     nodes = [_plan_node(i, stage_cfg) for i, stage_cfg in enumerate(config.stages)]
-    missing = [k for k in REQUIRED_KINDS if not any(n.kind == k for n in nodes)]
+    required = [k for k in known_kinds() if get_kind(k).required]
+    missing = [k for k in required if not any(n.kind == k for n in nodes)]
     if missing:
         raise PlanError(
             f"the pipeline has no stage of kind {', '.join(missing)}; every step needs "
-            f"{', '.join(REQUIRED_KINDS)} (see pipelines/quickstart.yaml)"
+            f"{', '.join(required)} (see pipelines/quickstart.yaml)"
         )
-    nodes.sort(key=lambda n: STEP_KINDS.index(n.kind))  # stable: declaration order within a kind
-    _wire(nodes)
+    for step_role in SINGLE_ROLES:
+        playing = [n for n in nodes if n.step_role == step_role]
+        if len(playing) > 1:
+            raise PlanError(f"stages {', '.join(n.name for n in playing)} all play the step role {step_role!r} "
+                            f"(kinds {', '.join(sorted({n.kind for n in playing}))}); a step has one: remove all "
+                            "but one")
+    source = {c: column_type(c) for c in PROMPT_COLUMNS}
+    nodes = wire(nodes, source, _registered_writers)
     mode_cls = registry("mode").get(config.mode)
     mode_params = _validate_params(mode_cls.Params, config.mode_params, "mode_params")
-    plan = Plan(nodes, config.mode, mode_params)
+    plan = Plan(nodes, config.mode, mode_params, tuple(config.plugins))
     from rlpipe.engine.state.roles import check_colocation  # torch and the engines: only when the plan is checked
 
     sync = next((n for n in nodes if n.kind == "weight_sync"), None)
@@ -126,8 +150,10 @@ def build_plan(config: PipelineConfig) -> Plan:
 
 def _plan_node(index: int, stage_cfg) -> PlannedNode:
     where = f"stages[{index}:{stage_cfg.node_name}]"
-    if stage_cfg.kind not in STEP_KINDS:
-        raise PlanError(f"{where}: unknown stage kind {stage_cfg.kind!r}; known kinds: {', '.join(sorted(STEP_KINDS))}")
+    try:
+        get_kind(stage_cfg.kind)
+    except Exception as exc:
+        raise PlanError(f"{where}: {exc} (a plugin registers new kinds: rlpipe.stage_kinds.stage_kind)") from None
     try:
         spec: StageSpec = stage_registry(stage_cfg.kind).get(stage_cfg.impl)
     except Exception as exc:
@@ -136,6 +162,7 @@ def _plan_node(index: int, stage_cfg) -> PlannedNode:
     return PlannedNode(
         stage_cfg.node_name, stage_cfg.kind, stage_cfg.impl, spec, params,
         spec.read_columns(params), spec.write_columns(params), timeout_s=stage_cfg.timeout_s,
+        after=tuple(stage_cfg.after),
     )
 
 
@@ -158,48 +185,9 @@ def _validate_params(model: type[BaseModel], raw: dict[str, Any], where: str) ->
         raise ConfigError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 
-def _wire(nodes: list[PlannedNode]) -> None:
-    available: dict[str, tuple[str, pa.DataType, int]] = {
-        c: (SOURCE, column_type(c), -1) for c in PROMPT_COLUMNS
-    }
-    for pos, node in enumerate(nodes):
-        for column, wanted in node.reads.items():
-            if column not in available:
-                raise PlanError(_no_writer_message(node, column, nodes[pos + 1 :]))
-            provider, have, _ = available[column]
-            if have != wanted:
-                raise PlanError(
-                    f"type mismatch on column {column!r}: {provider} writes {have} but "
-                    f"{node.name} ({node.kind}/{node.impl}) reads {wanted}"
-                )
-            node.providers[column] = provider
-        rank = STEP_KINDS.index(node.kind)
-        for column, dtype in node.writes.items():
-            previous = available.get(column)
-            if previous and previous[2] == rank and previous[0] != node.name:
-                raise PlanError(
-                    f"two writers of column {column!r} at the same point of the DAG: {previous[0]} and "
-                    f"{node.name} (both {node.kind}); remove one or give them different columns"
-                )
-            available[column] = (node.name, dtype, rank)
-
-
-def _no_writer_message(node: PlannedNode, column: str, later: list[PlannedNode]) -> str:
-    reader = f"{node.name} ({node.kind}/{node.impl}) reads column {column!r}"
-    downstream = [n.name for n in later if column in n.writes]
-    if downstream:
-        return (
-            f"cycle: {reader}, which only {', '.join(downstream)} writes, and that runs after it "
-            f"in the step DAG; a stage cannot depend on its own downstream"
-        )
-    writers = _registered_writers(column)
-    hint = f"; add a stage that writes it: {', '.join(writers)}" if writers else ""
-    return f"{reader} but no stage before it writes it{hint}"
-
-
 def _registered_writers(column: str) -> list[str]:
     out = []
-    for kind in STEP_KINDS:
+    for kind in known_kinds():
         for impl, spec in stage_registry(kind).items():
             try:
                 writes = spec.write_columns(spec.params_model())

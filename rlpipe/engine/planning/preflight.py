@@ -84,15 +84,16 @@ def check_model_folders(config) -> None:
 
 def check_routes(rows, plan) -> None:
     """Every data_source of the dataset's checked rows has a scorer (reward impl `rule` without a function)."""
-    reward = plan.node("reward")
-    if reward is None or reward.impl != "rule" or getattr(reward.params, "function", None) is not None:
-        return
     from rlpipe.stages.reward import resolve_routes
 
-    try:
-        resolve_routes(sorted(set(rows.column("data_source").to_pylist()) - {None}), reward.params)
-    except ConfigError as exc:
-        raise ConfigError(f"stages[{reward.name}]: {exc}") from None
+    sources = sorted(set(rows.column("data_source").to_pylist()) - {None})
+    for reward in plan.with_role("scores"):
+        if reward.kind != "reward" or reward.impl != "rule" or getattr(reward.params, "function", None) is not None:
+            continue
+        try:
+            resolve_routes(sources, reward.params)
+        except ConfigError as exc:
+            raise ConfigError(f"stages[{reward.name}]: {exc}") from None
 
 
 def check_prompt_lengths(rows, config) -> None:
@@ -115,7 +116,7 @@ def check_prompt_lengths(rows, config) -> None:
 
 
 def check_server_urls(config, plan) -> None:
-    generate = plan.node("generate")
+    generate = plan.anchor("generates")
     urls = getattr(getattr(generate.params, "server", None), "urls", None) if generate else None
     replicas = config.resources.rollout_replicas
     if urls and len(urls) != replicas:
@@ -150,7 +151,7 @@ def model_positions(model) -> int | None:
 
 
 def check_positions(config, plan) -> None:
-    generate = plan.node("generate")
+    generate = plan.anchor("generates")
     max_tokens = getattr(generate.params, "max_tokens", None) if generate else None
     positions = model_positions(config.model)
     if not isinstance(max_tokens, int) or positions is None:

@@ -21,6 +21,7 @@ from mlflow.entities import Run
 from rlpipe.engine.tracking import runs, ui_tables
 from rlpipe.engine.tracking.lineage import table_to_records
 from rlpipe.engine.tracking.observer import NodeRecord
+from rlpipe.stage_kinds import step_role_of
 
 
 def _pipeline_runs(uri: str, experiment: str | None, max_results: int, extra_filter: str = "") -> list[Run]:
@@ -156,8 +157,8 @@ def trajectory_story(run_id: str, uid: str, tracking_uri: str | None = None) -> 
     for row in sorted(rows, key=lambda r: (r["consumed_step"], r["sample_index"] or 0)):
         step = row["consumed_step"]
         in_step = sorted((r for r in records if r.step == step), key=lambda r: r.start_time)
-        update = next((r for r in in_step if r.kind == "update"), None)
-        push = next((r for r in in_step if r.kind == "weight_sync" and (update is None or r.start_time >= update.start_time)),
+        update = next((r for r in in_step if step_role_of(r.kind) == "updates_policy"), None)
+        push = next((r for r in in_step if step_role_of(r.kind) == "pushes_weights" and (update is None or r.start_time >= update.start_time)),
                     None)
         out.append(TrajectoryStory(
             uid=uid, sample_index=row["sample_index"], prompt_step=row["prompt_step"], replica=row.get("replica"),
