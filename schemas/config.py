@@ -375,6 +375,31 @@ class TrackingConfig(Strict):
     """Settings of the `wandb` logger."""
 
 
+class EvalConfig(Strict):
+    """Evaluation during training: a validation dataset through the rollout side of the step DAG (the generate
+    node, the scorers and what they need), with its own params; its trajectories never reach the trainer."""
+
+    data: DataConfig
+    """The validation prompts. `prompts_per_step` is the eval batch (prompts per call); the order is the
+    dataset's (no shuffle)."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Prompts per evaluation: the first ones of `data` (None: the whole dataset). A generated source (digits)
+    is drawn with the run seed + 1, so its prompts are not the training ones' draw."""
+    every: int = Field(0, ge=0)
+    """Evaluate after every N-th step (0: only `at_end`); metrics `eval/...` join that step's."""
+    at_end: bool = True
+    """Evaluate the final weights after the last step."""
+    before_training: bool = False
+    """Evaluate the starting weights before the first step; metrics `eval_start/...` join the first step's."""
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Params overrides per node name, merged over the training ones, e.g. `{generate: {n: 4, temperature: 0.6}}`
+    (n is the k of mean@k and pass@k)."""
+    nodes: list[str] = Field(default_factory=list)
+    """Nodes to run besides generate and the scorers (and what they need), e.g. a metric node of a plugin."""
+    pass_threshold: float = 1.0
+    """A sample passes (pass@k) when its reward is at least this."""
+
+
 class StageConfig(Strict):
     """One node of the step DAG."""
 
@@ -423,6 +448,8 @@ class PipelineConfig(Strict):
     """Where things run."""
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     """MLflow and lineage."""
+    eval: EvalConfig | None = None
+    """Evaluation during training on a validation dataset (None: none)."""
     plugins: list[PluginFile] = Field(default_factory=list, max_length=100)
     """Python files imported before the pipeline is planned, on the driver and every worker: they register stage
     kinds and impls (rlpipe.stage_kinds, rlpipe.stage) or other parts, as a package's `rlpipe.plugins` entry point

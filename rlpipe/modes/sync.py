@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
+from rlpipe.engine.evaluation import Evaluator
 from rlpipe.errors import ConfigError, RlpipeError
 from rlpipe.modes.base import Mode
 from rlpipe.registry import registry
@@ -49,20 +50,28 @@ class SyncMode(Mode):
         selects = rt.plan.anchor("selects_groups")  # dynamic sampling: the nodes up to it refill the step
         cut = nodes.index(selects) + 1 if selects is not None else 0
         total = rt.config.trainer.total_steps
+        evaluator = Evaluator(rt) if rt.plan.eval is not None else None
         following = None  # the next step's prompts, drawn early for its first chain to start early
         for step in range(rt.start_step, total):
             metrics: dict[str, float] = {}
+            if evaluator is not None and step == 0 and evaluator.spec.before_training:
+                metrics.update(evaluator.run(step, prefix="eval_start"))
             table = following if following is not None else rt.loader.next_batch(step)
             following = None
+            evaluates = evaluator is not None and evaluator.due_after(step)
             if cut:
-                table, metrics = self._collect_informative_groups(step, table, nodes[:cut])
-            elif step + 1 < total and not rt.checkpoints_after(step):
+                table, found = self._collect_informative_groups(step, table, nodes[:cut])
+                metrics.update(found)
+            elif step + 1 < total and not rt.checkpoints_after(step) and not evaluates:
                 # the next step's generation can start as soon as this step's push is done, while the driver
                 # writes this step's records and ends it (on Ray). Not before a checkpoint: it keeps the prompt
-                # loader's position, which must not have moved past the next step yet.
+                # loader's position, which must not have moved past the next step yet; nor before an evaluation,
+                # which generates first.
                 following = rt.loader.next_batch(step + 1)
             table, rest = rt.executor.run(step, table, nodes[cut:], extras=self.EXTRAS,
                                           then=(lambda: (step + 1, following)) if following is not None else None)
+            if evaluates:  # the push is done: the rollout holds the weights this step trained
+                rest.update(evaluator.run(step))
             rt.end_step(step, table, {**metrics, **rest})
 
     def _collect_informative_groups(self, step: int, prompts: pa.Table, head) -> tuple[pa.Table, dict[str, float]]:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from rlpipe.engine.planning import preflight
 from rlpipe.engine.planning.config_io import message, shown
+from rlpipe.engine.planning.eval_plan import EvalPlan, plan_eval
 from rlpipe.engine.planning.wiring import SOURCE, wire
 from rlpipe.engine.tracking.lineage import params_hash
 from rlpipe.engine.tracking.metric_loggers import check_loggers
@@ -79,6 +80,8 @@ class Plan:
     mode_params: BaseModel
     plugins: tuple[PluginFile, ...] = ()
     """The pipeline's plugin files, imported wherever a stage runs (StageContext.plugins)."""
+    eval: EvalPlan | None = None
+    """The eval DAG (``eval:``; None: no evaluation during training)."""
 
     def node(self, kind: str) -> PlannedNode | None:
         """The first node of ``kind`` (None when the pipeline has none)."""
@@ -97,15 +100,15 @@ class Plan:
         return {n.spec.role for n in self.nodes if n.spec.role}
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode_name,
-            "nodes": [
-                {"name": n.name, "kind": n.kind, "impl": n.impl, "placement": n.spec.placement,
-                 "role": n.spec.role, "reads": sorted(n.reads), "writes": sorted(n.writes),
-                 "upstream": sorted(n.upstream), "depends_on": dict(sorted(n.depends_on.items()))}
-                for n in self.nodes
-            ],
-        }
+        def described(n: PlannedNode) -> dict[str, Any]:
+            return {"name": n.name, "kind": n.kind, "impl": n.impl, "placement": n.spec.placement,
+                    "role": n.spec.role, "reads": sorted(n.reads), "writes": sorted(n.writes),
+                    "upstream": sorted(n.upstream), "depends_on": dict(sorted(n.depends_on.items()))}
+
+        out = {"mode": self.mode_name, "nodes": [described(n) for n in self.nodes]}
+        if self.eval is not None:
+            out["eval_nodes"] = [described(n) for n in self.eval.nodes]
+        return out
 
 
 def build_plan(config: PipelineConfig) -> Plan:
@@ -145,6 +148,9 @@ def build_plan(config: PipelineConfig) -> Plan:
         if node.spec.check is not None:
             node.spec.check(node.params, config, plan)
     preflight.check_plan(config, plan)
+    if config.eval is not None:
+        validate_dataset_params(config.eval.data.source, config.eval.data.params)
+        plan.eval = plan_eval(config, plan, _validate_params)
     return plan
 
 

@@ -41,13 +41,15 @@ def check_plan(config, plan) -> None:
     """Checks that need the planned nodes."""
     check_positions(config, plan)
     check_server_urls(config, plan)
-    rows = preview_dataset(config.data.source, config.data.params)
-    if rows is not None:
-        if PROMPT_MESSAGES in rows.column_names and not config.data.apply_chat_template:
-            raise ConfigError(f"data: the prompts of dataset {config.data.source!r} are lists of chat messages; set "
-                              "data.apply_chat_template: true so the tokenizer's chat template renders them")
+    for field, data in (("data", config.data), ("eval.data", config.eval.data if config.eval else None)):
+        rows = preview_dataset(data.source, data.params) if data is not None else None
+        if rows is None:
+            continue
+        if PROMPT_MESSAGES in rows.column_names and not data.apply_chat_template:
+            raise ConfigError(f"{field}: the prompts of dataset {data.source!r} are lists of chat messages; set "
+                              f"{field}.apply_chat_template: true so the tokenizer's chat template renders them")
         check_routes(rows, plan)
-        check_prompt_lengths(rows, config)
+        check_prompt_lengths(rows, config, data, field)
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
@@ -96,23 +98,24 @@ def check_routes(rows, plan) -> None:
             raise ConfigError(f"stages[{reward.name}]: {exc}") from None
 
 
-def check_prompt_lengths(rows, config) -> None:
+def check_prompt_lengths(rows, config, data=None, field: str = "data") -> None:
     """Every checked row's prompt, tokenized (chat template included) as the data loader will, fits
     ``data.max_prompt_length``; the error names the row, its length and how many more are too long."""
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.engine.state.data import tokenize_prompts
 
+    data = data or config.data
     messages = rows.column(PROMPT_MESSAGES).to_pylist() if PROMPT_MESSAGES in rows.column_names else None
     ids = tokenize_prompts(rows.column("prompt").to_pylist(), build_tokenizer(config.tokenizer),
-                           config.data.apply_chat_template, messages)
-    limit = config.data.max_prompt_length
+                           data.apply_chat_template, messages)
+    limit = data.max_prompt_length
     too_long = [i for i, x in enumerate(ids) if len(x) > limit]
     if too_long:
         first = too_long[0]
         raise ConfigError(
-            f"data: the prompt of row {first + 1} of dataset {config.data.source!r} has {len(ids[first])} tokens > "
-            f"data.max_prompt_length={limit} ({len(too_long)} of the {len(ids)} rows checked are too long); raise "
-            "data.max_prompt_length or filter the dataset")
+            f"{field}: the prompt of row {first + 1} of dataset {data.source!r} has {len(ids[first])} tokens > "
+            f"{field}.max_prompt_length={limit} ({len(too_long)} of the {len(ids)} rows checked are too long); raise "
+            f"{field}.max_prompt_length or filter the dataset")
 
 
 def check_server_urls(config, plan) -> None:
