@@ -52,11 +52,10 @@ class ColocateAsyncMode(AsyncMode):
     def __init__(self, runtime, params: ColocateAsyncParams):
         super().__init__(runtime, params)
         if params.overlap and params.release_memory_during_update:
-            runtime.executor.before_node.append(self._release_before_update)
+            runtime.executor.before_role.setdefault("updates_policy", []).append(self._release_before_update)
 
     def _release_before_update(self, node, step) -> None:
-        if node.step_role == "updates_policy":
-            self.runtime.workers.call("rollout", "release_for_training")
+        self.runtime.workers.call("rollout", "release_for_training")
 
     def run(self) -> None:
         rt = self.runtime

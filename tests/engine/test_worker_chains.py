@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from rlpipe.engine.execution.executor import StepExecutor
 from rlpipe.engine.execution.ray_runtime import RayBackend
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
@@ -75,6 +76,25 @@ def runtime(ray_session, tmp_path):
         yield Runtime(config, plan, NullObserver(), "chains", backend)
     finally:
         backend.shutdown()
+
+
+def test_a_mode_hook_fires_between_the_calls_right_before_its_node(runtime):
+    """colocate_async releases the rollout engine before the update: the trainer's fused call ends before the
+    update, so the hook fires after old_log_prob .. advantage are done, not before the whole trainer call."""
+    fired = []
+    raw = _raw(runtime.config.trainer.output_dir, steps=1)
+    raw["stages"] = quickstart_raw()["stages"]  # no reference model: the trainer's nodes in one call: old_log_prob,
+    # advantage, update, weight_sync (the same workers: the plan's roles are a subset of the backend's)
+    plan = build_plan(validate_config(raw))
+    executor = StepExecutor(plan, runtime.backend, recorder := Recorder(), "hooks", 0)
+    executor.before_role["updates_policy"] = [lambda node, step: fired.append((node.name, time.time()))]
+    executor.run(0, runtime.loader.next_batch(0))
+    (name, at), = fired
+    ends = {r.node: (r.start_time, r.start_time + r.duration_s) for r in recorder.records}
+    assert name == "update"
+    assert max(end for node, (_, end) in ends.items() if node not in ("update", "weight_sync")) <= at
+    assert at <= ends["update"][0]
+    assert recorder.records[-1].worker.startswith("driver in actor×1")  # the push still rides the update's call
 
 
 def test_a_handed_table_is_the_one_the_driver_would_send_and_a_failed_chain_hands_nothing_on(runtime):

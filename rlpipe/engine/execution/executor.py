@@ -87,10 +87,10 @@ class StepExecutor:
         self.base_extras = {"temperature": float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0}
         self.carry: dict[str, dict[str, Any]] = {}
         """Per node: the state its last execution handed forward (StageResult.carry)."""
-        self.before_node: list[Callable[[PlannedNode, int], None]] = []
-        """Mode hooks called before each node (e.g. release the rollout engine before the update)."""
-        self.after_node: list[Callable[[PlannedNode, int], None]] = []
-        """Mode hooks called after each node (e.g. put the rollout engine to sleep after generate)."""
+        self.before_role: dict[str, list[Callable[[PlannedNode, int], None]]] = {}
+        """Mode hooks called right before the node playing a step role (colocate_async releases the rollout
+        engine before ``updates_policy``). A fused call ends before such a node, so its hook fires between the
+        calls, after the nodes before it are done."""
         self.record_batches_every = record_batches_every
         """Every N steps, hand each node's input batch and context to the observer (for replay); 0 = never."""
         self.replica_of: dict[str, int] = {}
@@ -151,7 +151,7 @@ class StepExecutor:
                     table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras)
                 metrics.update(node_metrics)
                 i += len(group)
-            if then is not None and not self.before_node and self._fusable(todo, 0)[1] is not None:
+            if then is not None and not self._hooked(todo[0]) and self._fusable(todo, 0)[1] is not None:
                 if (following := then()) is not None:
                     self._started = (*following, todo, extras, self._start_chain(following[0], todo, 0, following[1],
                                                                                  extras))
@@ -203,11 +203,14 @@ class StepExecutor:
         colocated with it), when it is the only worker of its roles (with more, rows are split by
         ``dp_rank``, which the task nodes before them may still be writing), and after them the driver
         nodes that declare the roles they call (a weight push as the trainer's last act). Otherwise the
-        run of task nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses."""
+        run of task nodes from ``nodes[i]``. ``([nodes[i]], None)`` when nothing fuses. A node with a mode hook
+        (:attr:`before_role`) starts a call of its own."""
         if getattr(self.backend, "task_stages_in_workers", False):
             role = host = None
             j = i
             while j < len(nodes) and nodes[j].spec.placement in ("task", "worker", "driver"):
+                if j > i and self._hooked(nodes[j]):
+                    break
                 spec = nodes[j].spec
                 if spec.placement == "worker":
                     if host is None and self.backend.group_size(spec.role) == 1:
@@ -223,9 +226,13 @@ class StepExecutor:
         if not hasattr(self.backend, "run_task_chain"):
             return [nodes[i]], None
         j = i
-        while j < len(nodes) and nodes[j].spec.placement == "task":
+        while j < len(nodes) and nodes[j].spec.placement == "task" and not (j > i and self._hooked(nodes[j])):
             j += 1
         return (nodes[i:j] if j - i > 1 else [nodes[i]]), None
+
+    def _hooked(self, node: PlannedNode) -> bool:
+        """Whether a mode hook fires before ``node``."""
+        return bool(self.before_role.get(node.step_role))
 
     def _context(self, step: int, node: PlannedNode, extras: dict[str, Any]) -> StageContext:
         return StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
@@ -235,7 +242,7 @@ class StepExecutor:
     def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint,
                  extras: dict[str, Any]) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         ctx = self._context(step, node, extras)
-        for hook in self.before_node:
+        for hook in self.before_role.get(node.step_role, ()):
             hook(node, step)
         self._record_input(step, node, table, ctx)
         start = time.time()
@@ -251,9 +258,8 @@ class StepExecutor:
         """What a fused call of ``group`` needs: each node's context and stage, and the bound of the wait for the
         whole (the sum of the nodes' timeouts); the mode hooks before the group's nodes run here."""
         ctxs = [self._context(step, node, extras) for node in group]
-        for node in group:
-            for hook in self.before_node:
-                hook(node, step)
+        for hook in self.before_role.get(group[0].step_role, ()):  # only a group's first node has hooks
+            hook(group[0], step)
         stages = [ChainedStage(n.kind, n.impl, n.params_dict, dict(n.writes), n.timeout_s,
                                role if n.spec.placement == "driver" else
                                n.spec.role if n.spec.placement == "worker" else None, n.spec.placement == "driver")
@@ -271,7 +277,7 @@ class StepExecutor:
         group, role = self._fusable(todo, at)
         after = at + len(group)
         following, next_role = self._fusable(todo, after) if after < len(todo) else ([], None)
-        hands_on = (next_role is not None and len(following) > 1 and not self.before_node
+        hands_on = (next_role is not None and len(following) > 1 and not self._hooked(following[0])
                     and all(n.spec.placement != "driver" for n in group))
         ctxs, stages, bound = self._chained(step, group, extras, role)
         start = time.time()
@@ -371,8 +377,6 @@ class StepExecutor:
                                                          input_fp, worker, out_fp, trainer_version))
         if not self._records_overlap:
             self.write_backlog()
-        for hook in self.after_node:
-            hook(node, step)
         return out, metrics, out_fp
 
     def record(self, step: int, node: PlannedNode, table_in: pa.Table | None, table_out: pa.Table, start: float,
