@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from rlpipe.agents.http_guard import GatewayLimits
 from rlpipe.agents.parsers import TOOL_PARSERS
 from rlpipe.agents.programs import AGENT_PROGRAMS
 from rlpipe.agents.tools import TOOLS
@@ -81,10 +82,16 @@ class GatewayAgentParams(Strict):
     """How the gateway reads tool calls in the model's text when a request lists `tools` (they are returned as
     OpenAI `tool_calls`): `hermes`, `compact` or `trigger` (see rlpipe.agents.parsers)."""
 
+    limits: GatewayLimits = Field(default_factory=GatewayLimits)
+    """Bounds of the gateway's HTTP server: largest body, read and keep-alive deadlines, concurrent handlers."""
+
     @model_validator(mode="after")
     def _runnable(self) -> "GatewayAgentParams":
         from pathlib import Path
 
+        if self.limits.max_handlers < self.workers:
+            raise ValueError(f"gateway.limits.max_handlers={self.limits.max_handlers} is below gateway.workers="
+                             f"{self.workers}: programs past it would wait for a handler; raise max_handlers")
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {self.tool_parser!r}; known: {', '.join(TOOL_PARSERS.names())}")
 

@@ -23,9 +23,12 @@ request. Engine request id = ``<session id>#<turn>``, and a session sticks to
 one engine (a stable hash of its id): its prefix stays on one replica (seed 5.3.2).
 
 Binds 127.0.0.1 by default; with ``api_key`` set, requests need
-``Authorization: Bearer <api_key>`` (else 401). Malformed requests get 4xx JSON
-errors; a session over its token cap is cut (``finish_reason: length`` and an
-empty reply), its trajectory kept. With ``idle_timeout_s`` a session idle that
+``Authorization: Bearer <api_key>`` (else 401, before any of the body is read).
+Body size, read deadlines and concurrent handlers are bounded by ``limits``
+(:mod:`rlpipe.agents.http_guard`: 413, 400/411 on a bad ``Content-Length``, 408).
+Malformed requests get 4xx OpenAI-shaped JSON errors (sampling fields are checked as
+OpenAI checks them, ``param`` naming the field); a session over its token cap is cut
+(``finish_reason: length`` and an empty reply), its trajectory kept. With ``idle_timeout_s`` a session idle that
 long is ended as if the client had ended it (``on_session`` gets it). Temperature
 0 is sent as 1e-5 (the engines sample; there is no greedy path). Tool calls in
 OpenAI form (``tools`` in, ``tool_calls`` out, ``tool`` messages back) and
@@ -43,11 +46,12 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol, Sequence
 
 from rlpipe.agents.chat import ChatSession
-from rlpipe.agents.openai_format import FormatError, completion, parse_messages, split_calls, stream_events, tool_names
+from rlpipe.agents.http_guard import BoundedServer, GatewayLimits, GuardedHandler
+from rlpipe.agents.openai_format import (FormatError, completion, parse_messages, sampling_fields, split_calls,
+                                         stream_events, tool_names)
 from rlpipe.agents.parsers import build_parser
 from rlpipe.errors import RlpipeError
 from rlpipe.inference.contract import EngineError, GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
@@ -58,11 +62,13 @@ MODEL_NAME = "rlpipe-policy"
 
 
 class GatewayError(RlpipeError):
-    """A request the gateway refuses; ``status`` is the HTTP status it answers with."""
+    """A request the gateway refuses; ``status`` is the HTTP status it answers with, ``param`` the request
+    field at fault (OpenAI's error ``param``), if one is."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class Backend(Protocol):
@@ -131,18 +137,13 @@ class EngineDriver:
             t.join(5)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 512  # the default backlog of 5 resets concurrent agents' connections
-
-
 class Gateway:
     """The HTTP gateway: ``start()`` it, point clients at :attr:`base_url`, ``end_session`` to collect."""
 
     def __init__(self, backend: Backend, tokenizer: Any, api_key: str | None = None, host: str = "127.0.0.1",
                  port: int = 0, max_session_tokens: int | None = None, default_max_tokens: int = 256,
                  on_session: Callable[[ChatSession], None] | None = None, tool_parser: str = "hermes",
-                 idle_timeout_s: float | None = None):
+                 idle_timeout_s: float | None = None, limits: GatewayLimits | None = None):
         self.backend = backend
         self.tool_parser = tool_parser
         build_parser(tool_parser)  # an unknown name fails here, listing the known ones
@@ -157,8 +158,14 @@ class Gateway:
         self._locks: dict[str, threading.Lock] = {}
         self._ended: dict[str, None] = {}  # ids of ended sessions, oldest first
         self._lock = threading.Lock()
-        self._server = _Server((host, port), _handler(self))
+        self.limits = limits or GatewayLimits()
+        self._server = BoundedServer((host, port), _handler(self), self.limits)
         self._thread: threading.Thread | None = None
+
+    @property
+    def peak_handlers(self) -> int:
+        """The most connections the HTTP server has served at once (at most ``limits.max_handlers``)."""
+        return self._server.peak
 
     @property
     def base_url(self) -> str:
@@ -171,7 +178,9 @@ class Gateway:
         return f"http://{host}:{port}/s/{session_id}/v1"
 
     def start(self) -> "Gateway":
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="rlpipe-gateway")
+        # polls for close() every 0.1 s (the stdlib's 0.5 s made every close wait that long)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), daemon=True,
+                                        name="rlpipe-gateway")
         self._thread.start()
         if self.idle_timeout_s is not None:
             threading.Thread(target=self._reap, daemon=True, name="rlpipe-gateway-reaper").start()
@@ -242,21 +251,13 @@ class Gateway:
         try:
             messages = parse_messages(body)
             names = tool_names(body)
+            max_tokens, temperature, top_p, seed = sampling_fields(body, self.default_max_tokens)
         except FormatError as exc:
-            raise GatewayError(str(exc)) from None
-        if body.get("n", 1) != 1:
-            raise GatewayError("n must be 1 (one reply per request)")
+            raise GatewayError(str(exc), param=exc.param) from None
         session_id = session_id or body.get("session") or body.get("user") or f"anon-{uuid.uuid4().hex}"
         if not isinstance(session_id, str) or not re.fullmatch(r"[\w.:@-]{1,128}", session_id):
-            raise GatewayError("a session id is 1-128 characters of letters, digits and _.:@-")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.default_max_tokens
-        temperature = body.get("temperature") if body.get("temperature") is not None else 1.0
-        top_p = body.get("top_p") if body.get("top_p") is not None else 1.0
-        seed = body.get("seed") if body.get("seed") is not None else 0
-        if not (isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(temperature, (int, float))
-                and isinstance(top_p, (int, float)) and 0 < top_p <= 1 and isinstance(seed, int)):
-            raise GatewayError("max_tokens must be an integer >= 1, temperature a number, 0 < top_p <= 1, "
-                               "seed an integer")
+            raise GatewayError("a session id is 1-128 characters of letters, digits and _.:@-",
+                               param="session" if body.get("session") else "user")
         session, lock = self._session(session_id)
         with lock:
             session.last_active = time.monotonic()
@@ -267,7 +268,7 @@ class Gateway:
                 return self._reply(session, "", [], "length", 0, len(prompt), [])
             request = GenerationRequest(
                 f"{session_id}#{session.turns}", prompt, min(max_tokens, budget or max_tokens),
-                SamplingParams(temperature=max(float(temperature), 1e-5), top_p=float(top_p), seed=seed))
+                SamplingParams(temperature=max(temperature, 1e-5), top_p=top_p, seed=seed))
             try:
                 result = self.backend.complete(session_id, request)
             except EngineError as exc:
@@ -298,80 +299,56 @@ class Gateway:
         return completion(MODEL_NAME, f"chatcmpl-{session.id}-{session.turns}", content, calls, reason, usage, extra)
 
 
-def _handler(gateway: Gateway) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt, *args):  # the access log goes to logging, not stderr
-            log.debug("gateway: " + fmt, *args)
-
-        def _send(self, status: int, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _stream(self, reply: dict) -> None:
-            data = stream_events(reply)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Content-Length", str(len(data)))  # the reply is complete: no chunked encoding needed
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str) -> None:
-            kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
-            self._send(status, {"error": {"message": message, "type": kind, "code": status}})
+def _handler(gateway: Gateway) -> type[GuardedHandler]:
+    class Handler(GuardedHandler):
+        limits = gateway.limits
+        api_key = gateway.api_key
 
         def _route(self) -> tuple[str | None, str]:
             m = re.fullmatch(r"/s/([^/]+)(/.*)", self.path.split("?")[0])
             return (m.group(1), m.group(2)) if m else (self.headers.get("X-Session-Id"), self.path.split("?")[0])
 
-        def _authorized(self) -> bool:
-            if gateway.api_key is None or self.headers.get("Authorization") == f"Bearer {gateway.api_key}":
-                return True
-            self._error(401, "missing or wrong API key: send `Authorization: Bearer <key>` with the run's key")
-            return False
-
         def do_GET(self):
             _, path = self._route()
+            self.skip_body()
             if path == "/health":
-                return self._send(200, {"status": "ok"})
-            if not self._authorized():
+                return self.send_json(200, {"status": "ok"})
+            if not self.authorized():
                 return
             if path == "/v1/models":
-                return self._send(200, {"object": "list", "data": [
+                return self.send_json(200, {"object": "list", "data": [
                     {"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "rlpipe"}]})
-            self._error(404, f"no route GET {path}; the gateway serves /v1/models and /v1/chat/completions")
+            self.reject(404, f"no route GET {path}; the gateway serves /v1/models and /v1/chat/completions")
 
         def do_POST(self):
             session_id, path = self._route()
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
-            if not self._authorized():
+            end = re.fullmatch(r"/v1/sessions/([^/]+)/end", path)
+            if not self.authorized():  # the key first: an unauthenticated body is never read
                 return
+            if path != "/v1/chat/completions" and not end:
+                return self.refuse_unread(404, f"no route POST {path}; the gateway serves /v1/chat/completions")
+            raw = self.read_body(required=not end)  # strict Content-Length, the size cap, the read deadline
+            if raw is None:
+                return
+            stream, reply = False, None
             try:
-                if path == "/v1/chat/completions":
+                if end:
+                    session = gateway.end_session(end.group(1))
+                    reply = session.summary() if session else {"session": end.group(1), "turns": 0}
+                else:
                     try:
                         body = json.loads(raw or b"null")
-                    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                        raise GatewayError(f"the request body is not valid JSON: {exc}") from None
+                    except (ValueError, RecursionError) as exc:  # bad JSON, bad UTF-8, huge ints, deep nesting
+                        raise GatewayError(f"the request body is not valid JSON: {exc}"[:300]) from None
                     reply = gateway.chat(body, session_id)
-                    if isinstance(body, dict) and body.get("stream"):
-                        return self._stream(reply)
-                    return self._send(200, reply)
-                m = re.fullmatch(r"/v1/sessions/([^/]+)/end", path)
-                if m:
-                    session = gateway.end_session(m.group(1))
-                    return self._send(200, session.summary() if session else {"session": m.group(1), "turns": 0})
-                self._error(404, f"no route POST {path}; the gateway serves /v1/chat/completions")
+                    stream = bool(body.get("stream"))
             except GatewayError as exc:
-                self._error(exc.status, str(exc))
+                return self.reject(exc.status, str(exc), exc.param)
             except Exception as exc:  # noqa: BLE001 - a bad request must never kill the server
                 log.exception("gateway: request failed")
-                self._error(500, f"internal error: {exc!r}")
+                return self.reject(500, f"internal error: {exc!r}")
+            if stream:  # the reply is complete: sent whole, no chunked encoding needed
+                return self.send_bytes(200, stream_events(reply), "text/event-stream", {"Cache-Control": "no-cache"})
+            self.send_json(200, reply)
 
     return Handler

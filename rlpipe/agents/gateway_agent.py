@@ -76,7 +76,7 @@ class GatewayContext:
         self.pool = ThreadPoolExecutor(params.workers, thread_name_prefix="rlpipe-agent-program")
         self.gateway = Gateway(self, tokenizer, api_key=self.api_key, default_max_tokens=max_tokens,
                                max_session_tokens=params.max_session_tokens or max_tokens,
-                               tool_parser=params.tool_parser).start()
+                               tool_parser=params.tool_parser, limits=params.limits).start()
         self.notify: Callable[[], None] = lambda: None
         self.run: Callable[[str, str | None, str], None]
         if params.script is not None:

@@ -33,7 +33,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class FormatError(ValueError):
-    """A request that is not valid chat-completions JSON; the message says which field and what to send."""
+    """A request that is not valid chat-completions JSON; the message says which field and what to send,
+    ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def parse_messages(body: Any) -> list[dict]:
@@ -42,17 +47,18 @@ def parse_messages(body: Any) -> list[dict]:
         raise FormatError("the request body must be a JSON object")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise FormatError("`messages` must be a non-empty list of {role, content} objects")
+        raise FormatError("`messages` must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise FormatError(f"messages[{i}] needs a `role`, one of {', '.join(ROLES)}")
+            raise FormatError(f"messages[{i}] needs a `role`, one of {', '.join(ROLES)}", f"messages[{i}].role")
         message = {"role": m["role"], "content": _text(m.get("content"), i)}
         calls = m.get("tool_calls")
         if calls:
             if m["role"] != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
                 raise FormatError(f"messages[{i}].tool_calls: only assistant messages carry tool_calls, each "
-                                  '{"id": str, "type": "function", "function": {"name": str, "arguments": str}}')
+                                  '{"id": str, "type": "function", "function": {"name": str, "arguments": str}}',
+                                  f"messages[{i}].tool_calls")
             message["tool_calls"] = [{"id": c["id"], "name": c["function"]["name"],
                                       "arguments": c["function"].get("arguments") or "{}"} for c in calls]
         if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
@@ -68,7 +74,7 @@ def _text(content: Any, i: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise FormatError(f"messages[{i}].content must be a string, null, or a list of "
-                      '{"type": "text", "text": str} parts (the gateway serves a text model)')
+                      '{"type": "text", "text": str} parts (the gateway serves a text model)', f"messages[{i}].content")
 
 
 def _is_call(call: Any) -> bool:
@@ -83,8 +89,50 @@ def tool_names(body: dict) -> list[str]:
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
             for t in tools):
-        raise FormatError('`tools` must be a list of {"type": "function", "function": {"name": str, ...}}')
+        raise FormatError('`tools` must be a list of {"type": "function", "function": {"name": str, ...}}', "tools")
     return [t["function"]["name"] for t in tools]
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        low < value <= high if low_open else low <= value <= high)  # NaN fails both
+    if not ok:
+        raise FormatError(f"`{name}` must be a number {'>' if low_open else '>='} {low:g} and <= {high:g} "
+                          f"(got {value!r:.40})", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, high: int = 2**63 - 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FormatError(f"`{name}` must be an integer >= {low}" + (f" and <= {high}" if high < 2**63 - 1 else "")
+                          + f" (got {value!r:.40})", name)
+    return value
+
+
+def sampling_fields(body: dict, default_max_tokens: int) -> tuple[int, float, float, int]:
+    """``(max_tokens, temperature, top_p, seed)`` of a request, each checked as OpenAI checks it (a 400 naming
+    the field, never a silent substitute): ``max_completion_tokens`` / ``max_tokens`` >= 1 (the first one set
+    wins; none = ``default_max_tokens``), ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` >= 1 and, as the
+    gateway returns one choice, exactly 1, ``stop`` a string or a list of at most 4 strings (checked, not
+    applied: the engines stop on token ids; the model's eos ends a turn), ``seed`` a 64-bit integer."""
+    limits = [_integer(body, name, 1) for name in ("max_completion_tokens", "max_tokens")]
+    max_tokens = next((v for v in limits if v is not None), default_max_tokens)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    if _integer(body, "n", 1) not in (None, 1):
+        raise FormatError("`n` must be 1: the gateway returns one choice per request (send n requests)", "n")
+    stop = body.get("stop")
+    if not (stop is None or isinstance(stop, str)
+            or isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
+        raise FormatError("`stop` must be a string or a list of at most 4 strings", "stop")
+    seed = _integer(body, "seed", -(2**63))
+    return max_tokens, temperature, top_p, 0 if seed is None else seed
 
 
 def hermes_calls(calls: Sequence[dict]) -> str:

@@ -1,6 +1,9 @@
-"""Fixtures of the agent tests: a tiny char tokenizer and a real torch model taught one tool-calling episode."""
+"""Fixtures of the agent tests: a tiny char tokenizer, a real torch model taught one tool-calling episode, and
+gateways serving it over loopback HTTP."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -66,3 +69,24 @@ def chat_model(tok):
     loss = teach(model, tok, [[tok.eos_token_id if p == "eos" else p for p in CHAT]])
     assert loss < 0.05, f"the chat model did not memorize its episode (loss {loss})"
     return model
+
+
+@pytest.fixture
+def serve_gateway(tok, chat_model):
+    """``make(**gateway_kwargs)``: a started gateway over ``replicas`` (default 2) embedded engines playing
+    :func:`chat_model`, on loopback; every gateway made is closed at teardown."""
+    from rlpipe.agents.gateway import EngineDriver, Gateway
+    from rlpipe.inference.embedded import EmbeddedEngine
+
+    made = []
+
+    def make(replicas: int = 2, **kwargs):
+        driver = EngineDriver([EmbeddedEngine(copy.deepcopy(chat_model), tok) for _ in range(replicas)])
+        made.append(driver)
+        gateway = Gateway(driver, tok, **kwargs).start()
+        made.append(gateway)
+        return gateway
+
+    yield make
+    for thing in reversed(made):
+        thing.close()

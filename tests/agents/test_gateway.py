@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from agent_fixtures import CHAT, TURN1, TURN2, chat_model, tok  # noqa: F401 (fixtures)
+from agent_fixtures import CHAT, TURN1, TURN2, chat_model, serve_gateway, tok  # noqa: F401 (fixtures)
 from rlpipe.agents.chat import render
 from rlpipe.agents.gateway import EngineDriver, Gateway
 from rlpipe.agents.loop import build_agent
@@ -25,13 +25,8 @@ KEY = "test-key"
 
 
 @pytest.fixture
-def gateway(tok, chat_model):
-    engines = [EmbeddedEngine(copy.deepcopy(chat_model), tok) for _ in range(2)]
-    driver = EngineDriver(engines)
-    gw = Gateway(driver, tok, api_key=KEY, default_max_tokens=12).start()
-    yield gw
-    gw.close()
-    driver.close()
+def gateway(serve_gateway):
+    return serve_gateway(api_key=KEY, default_max_tokens=12)
 
 
 def post(url, payload, key=KEY, raw=None):
