@@ -11,7 +11,8 @@ Before the code runs, the child installs a Python audit hook (PEP 578, see
 ``_BOOT``) that raises PermissionError for: opening a file for writing, or
 creating, removing, renaming, linking, chmod-ing a path, *outside its temp dir*;
 creating or using sockets; starting processes (fork, exec, spawn, subprocess,
-system; ``allow_processes`` lifts this); signalling other processes; ctypes
+system; ``allow_processes`` lifts this); signalling other processes, or opening
+another process's ``/proc/<pid>`` entries (its file descriptors, memory, command line); ctypes
 symbol lookups and foreign calls, and importing _posixsubprocess (they reach the
 OS without audit events); and rebinding a function's code. The code sees the error as a traceback, which
 becomes the observation. This stops what model-written code does by accident or
@@ -25,7 +26,11 @@ namespaces), the code runs in a new user + network + PID namespace
 (``unshare -rn -p -f --kill-child``): there is no network interface but a
 down loopback, so every connection fails, and when the namespace's first process
 dies the kernel kills everything left in it — also a child that escaped the
-process group with ``setsid``. Without ``unshare`` the network is *not* cut (a
+process group with ``setsid``. Where the kernel lets it mount one (``-m --mount-proc``;
+refused e.g. in a container whose ``/proc`` is partly masked), the code also gets a
+private ``/proc`` that shows only its own PID namespace: no other process's file
+descriptors, memory or command line (the host's, the trainer's, another sandbox's) can
+be named, let alone opened. Without ``unshare`` the network is *not* cut (a
 warning is logged once; :func:`network_isolated` says which case holds).
 
 Outcomes: the code's failure (non-zero exit, a traceback, a limit hit, a
@@ -56,6 +61,7 @@ from rlpipe.agents.tool_types import ToolInfraError, ToolOutput
 log = logging.getLogger(__name__)
 
 _UNSHARE = ("unshare", "-rn", "-p", "-f", "--kill-child")
+_PRIVATE_PROC = ("-m", "--mount-proc")
 
 
 @dataclass(frozen=True)
@@ -72,18 +78,32 @@ class SandboxLimits:
 
 
 @functools.lru_cache(maxsize=1)
+def unshare_prefix() -> tuple[str, ...]:
+    """The strongest ``unshare`` command prefix that works here: own user, network and PID namespaces plus a
+    private ``/proc``; without the private ``/proc`` where mounting it is refused; ``()`` without ``unshare``."""
+    if shutil.which("unshare") is None:
+        return ()
+    why = ""
+    for prefix in ((*_UNSHARE, *_PRIVATE_PROC), _UNSHARE):
+        try:
+            done = subprocess.run([*prefix, "true"], capture_output=True, timeout=10)
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = str(exc)
+            continue
+        if done.returncode == 0:
+            if prefix == _UNSHARE:
+                log.warning("python sandbox: `unshare --mount-proc` is not permitted here (%s); sandboxed code "
+                            "sees the host's /proc (the audit hook still refuses other processes' entries)", why)
+            return prefix
+        why = done.stderr.decode(errors="replace").strip()
+    log.warning("python sandbox: `unshare -rn -p -f` is not permitted here (%s); sandboxed code keeps "
+                "network access", why)
+    return ()
+
+
 def network_isolated() -> bool:
     """True when ``unshare`` can give the sandbox its own (empty) network and PID namespaces here."""
-    if shutil.which("unshare") is None:
-        return False
-    try:
-        done = subprocess.run([*_UNSHARE, "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    if done.returncode != 0:
-        log.warning("python sandbox: `unshare -rn -p -f` is not permitted here (%s); sandboxed code keeps "
-                    "network access", done.stderr.decode(errors="replace").strip())
-    return done.returncode == 0
+    return bool(unshare_prefix())
 
 
 # The child sets its own limits and installs the guard, then runs the code (not preexec_fn: Python documents it
@@ -91,9 +111,10 @@ def network_isolated() -> bool:
 # CPython calls it before every audited operation, and a hook cannot be removed once added. It refuses, with a
 # PermissionError naming the rule: opening a file for writing, or creating/removing/renaming/linking/chmod-ing a
 # path, outside the temp dir; sockets; new processes (fork, exec, spawn, subprocess, system) unless allowed;
-# signals to other processes; what would step around the hooks (ctypes symbol lookups and calls, importing
-# _posixsubprocess); and rebinding a function's code (how one would rewrite the guard). Importing ctypes stays
-# allowed: numpy imports it.
+# signals to other processes; opening another process's /proc/<pid> entries (where the private /proc of
+# unshare_prefix is not permitted, they name the trainer's and other sandboxes' pipes and memory); what would
+# step around the hooks (ctypes symbol lookups and calls, importing _posixsubprocess); and rebinding a
+# function's code (how one would rewrite the guard). Importing ctypes stays allowed: numpy imports it.
 _BOOT = """
 import os, resource, sys
 cpu, memory, fsize, allow_processes = (int(x) for x in sys.argv[1:5])
@@ -107,6 +128,7 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 sys.dont_write_bytecode = True
 
 def _guard(root=os.path.realpath(os.getcwd()) + os.sep, realpath=os.path.realpath, fspath=os.fspath,
+           normpath=os.path.normpath, join=os.path.join, fsdecode=os.fsdecode,
            getpid=os.getpid, sep=os.sep, allow_processes=bool(allow_processes), Error=PermissionError,
            write_flags=os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC,
            paths={"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.link": (0, 1),
@@ -117,6 +139,15 @@ def _guard(root=os.path.realpath(os.getcwd()) + os.sep, realpath=os.path.realpat
            modules=("_xxsubinterpreters", "_interpreters"),
            foreign=("ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata",
                     "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at", "ctypes.wstring_at")):
+    own_proc = {str(getpid()), os.path.basename(realpath("/proc/self"))}  # in a PID namespace the two differ
+
+    def other_process(path):  # /proc/<pid>/... of another process, as written or through a link
+        for p in (normpath(join(root, fsdecode(fspath(path)))), realpath(fspath(path))):
+            parts = fsdecode(p).split(sep)
+            if len(parts) > 2 and parts[1] == "proc" and parts[2].isdigit() and parts[2] not in own_proc:
+                return True
+        return False
+
     def inside(path):
         if isinstance(path, int):  # a file descriptor the code already holds
             return True
@@ -129,6 +160,8 @@ def _guard(root=os.path.realpath(os.getcwd()) + os.sep, realpath=os.path.realpat
             writing = any(c in (mode or "") for c in "wax+") if mode is not None else bool(flags & write_flags)
             if writing and path is not None and not inside(path):
                 raise Error(f"sandbox: writing {path!r} is not allowed: only files under the temp dir {root}")
+            if path is not None and not isinstance(path, int) and other_process(path):
+                raise Error(f"sandbox: opening {path!r} is not allowed: another process's /proc entry")
         elif event in paths:
             for i in paths[event]:
                 if args[i] is not None and not inside(args[i]):
@@ -155,30 +188,34 @@ exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolOutput:
-    """Run ``code`` under ``limits``; the observation is its stdout+stderr (or why it was stopped)."""
+def spawn_python(code: str, limits: SandboxLimits, workdir: str, **popen: Any) -> subprocess.Popen:
+    """Start ``code`` under ``limits`` in ``workdir``, in a session of its own (the caller kills its group with
+    :func:`kill_group` and enforces ``limits.wall_s``); ``popen``: the streams and ``pass_fds``. Raises OSError."""
     command = [sys.executable, "-I", "-B", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20),
                str(limits.max_file_mb * 2**20), str(int(limits.allow_processes)), code]
     if limits.isolate_network and network_isolated():
-        command = [*_UNSHARE, *command]
+        command = [*unshare_prefix(), *command]
+    return subprocess.Popen(command, cwd=workdir, env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir},
+                            start_new_session=True, **popen)
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> ToolOutput:
+    """Run ``code`` under ``limits``; the observation is its stdout+stderr (or why it was stopped)."""
     workdir = tempfile.mkdtemp(prefix="rlpipe-sandbox-")
     try:
         try:
-            proc = subprocess.Popen(
-                command, cwd=workdir, env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir},
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = spawn_python(code, limits, workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
         except OSError as exc:
-            raise ToolInfraError(f"python sandbox: cannot start {command[0]!r}: {exc}") from exc
+            raise ToolInfraError(f"python sandbox: cannot start {sys.executable!r}: {exc}") from exc
         try:
             out, _ = proc.communicate(timeout=limits.wall_s)
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
-            _kill_group(proc.pid)
+            kill_group(proc.pid)
             out, _ = proc.communicate()
-        _kill_group(proc.pid)  # children the code left behind in its group
+        kill_group(proc.pid)  # children the code left behind in its group
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = out.decode(errors="replace")
@@ -204,7 +241,8 @@ def _why(returncode: int, limits: SandboxLimits) -> str:
     return f"exit code {returncode}"
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` (a sandbox started by :func:`spawn_python`); gone already is fine."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
