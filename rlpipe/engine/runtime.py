@@ -73,7 +73,8 @@ class Runtime:
         self.backend = backend
         self.workers = backend.workers
         record = config.tracking.record_batches_every if config.tracking.enabled else 0
-        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed, record)
+        self.executor = StepExecutor(plan, backend, observer, run_id, config.seed, record,
+                                     config.resources.concurrent_branches)
         self.last_metrics: dict[str, float] = {}
         self.failed_steps: list[int] = []
         """The current run of consecutive steps whose every row failed (trainer.max_failed_steps)."""

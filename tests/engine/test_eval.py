@@ -1,5 +1,6 @@
 """Evaluation during training (eval:): the eval DAG is planned from the step DAG, its metrics are the hand formulas,
-eval reward rises on the quickstart task, and no eval row ever reaches an update (inline and on Ray)."""
+eval reward rises on the quickstart task, and no eval row ever reaches an update. On Ray: in
+tests/engine/test_plugin_kind.py (one Ray run checks the plugin kind and the eval DAG)."""
 
 from __future__ import annotations
 
@@ -95,17 +96,3 @@ def test_eval_reward_rises_on_the_quickstart_task_and_no_eval_row_reaches_an_upd
     assert {(r.node, r.kind) for r in evals} == {("eval.generate", "generate"), ("eval.reward", "reward")}
     assert {r.rows_out for r in evals if r.node == "eval.generate"} == {32 * 4}
     _training_chain_is_clean(recorder, 40, 16 * 8)
-
-
-@pytest.mark.e2e
-def test_eval_runs_on_the_rollout_worker_on_ray(ray_session, tmp_path):
-    recorder = Recorder()
-    raw = _raw(tmp_path, 2, every=1, max_prompts=8, before_training=False)
-    raw["data"] = {**raw["data"], "prompts_per_step": 4}
-    run_pipeline(validate_config(raw), "", observer=recorder)
-    assert recorder.status == "FINISHED"
-    assert [m["eval/policy_version"] for m in recorder.metrics.values()] == [1, 2]
-    assert all(m["eval/prompts"] == 8 for m in recorder.metrics.values())
-    where = {r.node: r.worker.split("@")[0] for r in recorder.records if r.node.startswith("eval.")}
-    assert where == {"eval.generate": "rollout×1", "eval.reward": "task in rollout×1"}
-    _training_chain_is_clean(recorder, 2, 4 * 8)

@@ -26,9 +26,16 @@ PIPELINE = ROOT / "pipelines" / "quickstart_length_penalty.yaml"
 COEF = 0.05
 
 
+EVAL = {"data": {"source": "digits", "params": {"task": "reverse", "num_digits": 2, "size": 8}, "prompts_per_step": 4},
+        "every": 1, "params": {"generate": {"n": 2}}, "nodes": ["length_penalty"]}
+"""An evaluation after each step, through the plugin's node too: the Ray run checks the eval DAG on Ray as well
+(one Ray run for both: starting one is most of a test's cost)."""
+
+
 def _config(tmp_path, steps: int = 2):
-    return load_pipeline(PIPELINE, [f"trainer.total_steps={steps}", "data.prompts_per_step=4",
-                                    "tracking.enabled=false", f"trainer.output_dir={tmp_path}"])[0]
+    config = load_pipeline(PIPELINE, [f"trainer.total_steps={steps}", "data.prompts_per_step=4",
+                                      "tracking.enabled=false", f"trainer.output_dir={tmp_path}"])[0]
+    return validate_config({**config.model_dump(mode="json", exclude_none=True), "eval": EVAL})
 
 
 def _run(tmp_path, inline: bool) -> Recorder:
@@ -49,7 +56,8 @@ def _check_penalty_and_lineage(recorder: Recorder, steps: int = 2) -> None:
         # the recorded rows are a sample of the step's; every response token is valid in single-turn generation
         lengths = recorder.metrics[step]["generate/response_length_mean"]
         assert recorder.metrics[step]["length_penalty/mean"] == pytest.approx(COEF * lengths)
-        ran = [r.node for r in sorted(recorder.records, key=lambda r: r.start_time) if r.step == step]
+        ran = [r.node for r in sorted(recorder.records, key=lambda r: r.start_time) if r.step == step
+               and not r.node.startswith("eval.")]
         assert ran.index("reward") < ran.index("length_penalty") < ran.index("advantage")
         record = next(r for r in recorder.records if r.step == step and r.node == "length_penalty")
         assert (record.kind, record.impl, record.error) == ("length_penalty", "linear", "")
@@ -69,13 +77,19 @@ def test_the_plugin_kind_sits_between_reward_and_advantage_and_computes_the_hand
 
 
 @pytest.mark.e2e
-def test_the_plugin_kind_runs_on_ray_as_it_runs_inline(ray_session, inline, tmp_path):
+def test_the_plugin_kind_and_the_eval_dag_run_on_ray_as_they_run_inline(ray_session, inline, tmp_path):
     on_ray = _run(tmp_path, inline=False)
     _check_penalty_and_lineage(on_ray)
     for step in range(2):
-        for key in ("length_penalty/mean", "reward/mean", "actor/pg_loss"):
+        for key in ("length_penalty/mean", "reward/mean", "actor/pg_loss", "eval/reward/mean", "eval/digits/pass@2"):
             assert on_ray.metrics[step][key] == inline.metrics[step][key], (step, key)
-    assert {r.worker.split("@")[0] for r in on_ray.records if r.node == "length_penalty"} == {"task in rollout×1"}
+        assert on_ray.metrics[step]["eval/policy_version"] == step + 1 and on_ray.metrics[step]["eval/prompts"] == 8
+        by_node = {r.node: r for r in on_ray.records if r.step == step}
+        assert by_node["update"].rows_in == 4 * 8  # no eval row reaches an update
+        assert by_node["update"].input_fingerprint == by_node["advantage"].output_fingerprint
+    where = {r.node: r.worker.split("@")[0] for r in on_ray.records}
+    assert where["length_penalty"] == where["eval.length_penalty"] == where["eval.reward"] == "task in rollout×1"
+    assert where["eval.generate"] == "rollout×1"
 
 
 def test_a_process_that_never_saw_the_file_runs_the_stage_from_the_source_its_context_carries(tmp_path):

@@ -67,15 +67,43 @@ def _chain(plan, kinds: list[str], **params) -> list[ChainedStage]:
                          n.spec.role if n.spec.placement == "worker" else None) for n in nodes]
 
 
-@pytest.fixture
-def runtime(ray_session, tmp_path):
-    config = validate_config(_raw(tmp_path, steps=1))
+@pytest.fixture(scope="module")
+def runtime(ray_session, tmp_path_factory):
+    """Workers shared by the tests below (starting them is most of their cost); no test compares values with
+    another run from fresh weights."""
+    config = validate_config(_raw(tmp_path_factory.mktemp("chains"), steps=1))
     plan = build_plan(config)
     backend = RayBackend.start(config, set(ALWAYS_ROLES) | plan.roles())
     try:
         yield Runtime(config, plan, NullObserver(), "chains", backend)
     finally:
         backend.shutdown()
+
+
+def test_a_reference_chain_runs_beside_old_log_prob_and_records_what_running_in_order_records(runtime):
+    """Listed after old_log_prob, the reference model's chain (ref, advantage) reads nothing old_log_prob writes: it
+    starts with it, on its own worker, and is recorded on old_log_prob's output. The lineage is that of the same
+    plan run one call after the other (resources.concurrent_branches false), node for node. Up to the advantage:
+    no weight changes between the two runs."""
+    stages = [s for s in _raw(runtime.config.trainer.output_dir)["stages"] if s["kind"] != "ref"]
+    at = next(i for i, s in enumerate(stages) if s["kind"] == "old_log_prob") + 1
+    beside = {**_raw(runtime.config.trainer.output_dir), "stages": stages[:at] + [{"kind": "ref", "impl": "reference"}]
+              + stages[at:]}
+    records, prompts, plan = {}, runtime.loader.next_batch(0), build_plan(validate_config(beside))
+    nodes = [n for n in plan.nodes if n.kind not in ("update", "weight_sync")]
+    for name, concurrent in (("in order", False), ("beside", True)):  # resources.concurrent_branches
+        recorder = Recorder()
+        StepExecutor(plan, runtime.backend, recorder, name, 0, concurrent_branches=concurrent).run(0, prompts, nodes)
+        records[name] = {r.node: r for r in recorder.records}
+    assert records["beside"].keys() == records["in order"].keys()
+    for node, record in records["beside"].items():
+        other = records["in order"][node]
+        assert (record.input_fingerprint, record.output_fingerprint) == (other.input_fingerprint,
+                                                                         other.output_fingerprint), node
+    span = {node: (r.start_time, r.start_time + r.duration_s) for node, r in records["beside"].items()}
+    assert span["ref"][0] < span["old_log_prob"][1] and span["old_log_prob"][0] < span["ref"][1]  # at the same time
+    order = {node: (r.start_time, r.start_time + r.duration_s) for node, r in records["in order"].items()}
+    assert order["old_log_prob"][1] <= order["ref"][0]  # in order, it waited
 
 
 def test_a_mode_hook_fires_between_the_calls_right_before_its_node(runtime):

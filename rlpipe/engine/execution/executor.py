@@ -13,11 +13,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 from rlpipe.deadline import StageTimeout, call_with_deadline
+from rlpipe.engine.execution.backend import Backend
+from rlpipe.engine.execution.branches import runs_beside
 from rlpipe.engine.tracking.lineage import LazyFingerprint, execution_fields
 from rlpipe.engine.tracking.observer import NodeRecord, Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
@@ -29,37 +31,6 @@ from rlpipe.stage import StageContext, StageResult
 log = logging.getLogger(__name__)
 
 _MAX_REPLICA_NOTES = 1 << 20
-
-
-class Backend(Protocol):
-    """Where stages physically run (Ray: rlpipe.engine.execution.ray_runtime; in-process: rlpipe.engine.execution.inline)."""
-
-    workers: Any
-    shared_filesystem: bool
-    """Workers see the driver's paths (resources.shared_filesystem): trainer ranks write checkpoints and saved
-    models into the output folder themselves; otherwise their files come to the driver through the object store."""
-
-    def group_size(self, role: str) -> int: ...
-
-    def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
-                 timeout_s: float | None = None) -> StageResult:
-        """The stage as a task; :class:`StageTimeout` after ``timeout_s`` (None: no limit)."""
-        ...
-
-    def run_on_workers(self, role: str, kind: str, impl: str, params: dict, tables: list[pa.Table],
-                       ctxs: list[StageContext], timeout_s: float | None = None) -> list[StageResult]:
-        """The stage on every worker of ``role``; :class:`StageTimeout` naming the late ones after ``timeout_s``."""
-        ...
-
-    def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]: ...
-
-    def shutdown(self) -> None: ...
-
-    # optional: ``overlap(work)``: call ``work()`` whenever the backend waits on a remote call (Ray). The executor
-    # then writes each node's lineage record while the next node runs instead of before it starts.
-    # ``task_stages_in_workers`` with ``host(role)``, ``start_worker_chain(role, stages, table | started call, ctxs,
-    # hand_on)`` and ``finish_worker_chain(call, timeout_s)``: a role with one worker runs the task nodes next to
-    # its own in one call (Ray); ``run_task_chain(stages, table, ctxs, timeout_s)``: consecutive task nodes in one.
 
 
 class _Backlog(threading.local):
@@ -75,7 +46,7 @@ class StepExecutor:
     """Runs nodes of a plan; one instance per pipeline run."""
 
     def __init__(self, plan: Plan, backend: Backend, observer: Observer, run_id: str, seed: int,
-                 record_batches_every: int = 0):
+                 record_batches_every: int = 0, concurrent_branches: bool = True):
         self.plan = plan
         self.backend = backend
         self.observer = observer
@@ -91,6 +62,8 @@ class StepExecutor:
         """Mode hooks called right before the node playing a step role (colocate_async releases the rollout
         engine before ``updates_policy``). A fused call ends before such a node, so its hook fires between the
         calls, after the nodes before it are done."""
+        self.concurrent_branches = concurrent_branches
+        """Start the next worker chain beside the current call when nothing orders them (resources.concurrent_branches)."""
         self.record_batches_every = record_batches_every
         """Every N steps, hand each node's input batch and context to the observer (for replay); 0 = never."""
         self.replica_of: dict[str, int] = {}
@@ -140,17 +113,19 @@ class StepExecutor:
         try:
             while i < len(todo):
                 group, role = self._fusable(todo, i)
-                if len(group) > 1 and role is not None:
-                    started, handed = handed or self._start_chain(step, todo, i, table, extras), None
-                    if started.hands_on:  # the next worker chain starts now, on this one's output
-                        handed = self._start_chain(step, todo, i + len(group), started.call, extras)
-                    table, node_metrics, fp = self.finish_chain(step, started, table, fp)
-                elif len(group) > 1:
-                    table, node_metrics, fp = self.run_fused(step, group, table, fp, extras)
-                else:
-                    table, node_metrics, fp = self.run_node(step, todo[i], table, fp, extras)
+                after = i + len(group)
+                beside = None
+                if handed is None and after < len(todo) and self._beside(todo, group, role, *self._fusable(todo, after)):
+                    # the next worker chain reads nothing this call writes: it starts now, on this call's input
+                    beside = self._start_chain(step, todo, after, table, extras, hand_on=False)
+                table, node_metrics, fp, handed = self._run_call(step, todo, i, group, role, table, fp, extras, handed,
+                                                                 hand_on=beside is None)
                 metrics.update(node_metrics)
-                i += len(group)
+                if beside is not None:  # recorded on this call's output, as if it had run after it
+                    table, node_metrics, fp = self.finish_chain(step, beside, table, fp)
+                    metrics.update(node_metrics)
+                    after += len(beside.group)
+                i = after
             if then is not None and not self._hooked(todo[0]) and self._fusable(todo, 0)[1] is not None:
                 if (following := then()) is not None:
                     self._started = (*following, todo, extras, self._start_chain(following[0], todo, 0, following[1],
@@ -164,6 +139,32 @@ class StepExecutor:
             raise
         self.write_backlog()
         return table, metrics
+
+    def _run_call(self, step: int, todo: list[PlannedNode], i: int, group: list[PlannedNode], role: str | None,
+                  table: pa.Table, fp: LazyFingerprint, extras: dict[str, Any], handed: "_StartedChain | None",
+                  hand_on: bool = True) -> tuple[pa.Table, dict[str, float], LazyFingerprint, "_StartedChain | None"]:
+        """Run the call ``group`` at ``todo[i]`` (see :meth:`_fusable`); returns its output, metrics, fingerprint
+        and the next worker chain when this one handed its table on (started already)."""
+        if len(group) > 1 and role is not None:
+            started = handed or self._start_chain(step, todo, i, table, extras, hand_on)
+            following = None
+            if started.hands_on:  # the next worker chain starts now, on this one's output
+                following = self._start_chain(step, todo, i + len(group), started.call, extras)
+            return (*self.finish_chain(step, started, table, fp), following)
+        if len(group) > 1:
+            return (*self.run_fused(step, group, table, fp, extras), None)
+        return (*self.run_node(step, todo[i], table, fp, extras), None)
+
+    def _beside(self, todo: list[PlannedNode], group: list[PlannedNode], role: str | None,
+                following: list[PlannedNode], following_role: str | None) -> bool:
+        """Whether the call after ``group`` may run beside it (rlpipe.engine.execution.branches)."""
+        if not self.concurrent_branches or following_role is None or len(following) < 2:
+            # only a worker chain starts without the driver waiting on it
+            return False
+        worker = next((n for n in group if n.spec.placement == "worker"), None)
+        host = self.backend.host(role or worker.spec.role) if worker is not None else None
+        return runs_beside(group, host, following, self.backend.host(following_role), {n.name: n for n in todo},
+                           self._hooked)
 
     def _take_started(self, step: int, table: pa.Table, todo: list[PlannedNode],
                       extras: dict[str, Any]) -> "_StartedChain | None":
@@ -268,7 +269,7 @@ class StepExecutor:
         return ctxs, stages, None if None in timeouts else sum(timeouts)
 
     def _start_chain(self, step: int, todo: list[PlannedNode], at: int, source: Any,
-                     extras: dict[str, Any]) -> "_StartedChain":
+                     extras: dict[str, Any], hand_on: bool = True) -> "_StartedChain":
         """Submit the worker chain at ``todo[at]`` (see :meth:`_fusable`) on ``source``: the step's table, or the
         started chain before it. It hands its last table on to the next node's worker chain, to be started at
         once (the batch goes worker to worker, not through the driver), when there is one and nothing the
@@ -277,7 +278,7 @@ class StepExecutor:
         group, role = self._fusable(todo, at)
         after = at + len(group)
         following, next_role = self._fusable(todo, after) if after < len(todo) else ([], None)
-        hands_on = (next_role is not None and len(following) > 1 and not self._hooked(following[0])
+        hands_on = (hand_on and next_role is not None and len(following) > 1 and not self._hooked(following[0])
                     and all(n.spec.placement != "driver" for n in group))
         ctxs, stages, bound = self._chained(step, group, extras, role)
         start = time.time()
