@@ -128,9 +128,14 @@ def _validate(path: str, overrides: list[str]) -> int:
         waits = sorted(node.depends_on, key=order.__getitem__)
         table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(waits), ", ".join(sorted(node.writes)))
     Console().print(table)
+    from rlpipe.engine.execution.physical_plan import format_calls, physical_plan
     from rlpipe.engine.host import run_thread_budget
 
-    _, threads = run_thread_budget(config, plan, inline=False)
+    roles, threads = run_thread_budget(config, plan, inline=False)
+    print("calls on Ray, in order (resources.task_stages_in_workers, resources.concurrent_branches):")
+    for part in physical_plan(config, plan, roles):
+        print(f" {part['part']}:")
+        print("\n".join(format_calls(part["calls"])))
     print(f"torch threads per worker process on Ray: {threads.threads} ({threads.reason})")
     return 0
 

@@ -159,6 +159,15 @@ def test_validate_quickstart_exits_zero_and_prints_the_nodes(monkeypatch, capsys
         "update": ["update/ppo", "actor"],
         "weight_sync": ["weight_sync/object_store", "driver"],
     }
+    # the calls on Ray: the rollout's chain hands its table to the trainer's
+    assert "  1. rollout×1: generate, reward, balance  (hands its table to the next call)\n" \
+           "  2. actor×1: old_log_prob, advantage, update, weight_sync\n" in out
+
+
+def test_validate_shows_a_reference_model_running_beside_old_log_prob(capsys):
+    assert main(["validate", str(ROOT / "pipelines" / "qwen05b_gsm8k_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "  2. actor×1: old_log_prob\n  3. ref×1: ref, advantage  (runs beside call 2)\n" in out
 
 
 def test_validate_of_a_broken_pipeline_exits_two_with_the_reason(capsys):

@@ -223,7 +223,12 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     phase("starting MLflow tracking" if config.tracking.enabled else "planning")
     observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
     observer = with_metric_loggers(observer, config)
-    run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, plan.summary())
+    summary = plan.summary()
+    if not inline:  # what the executor will do on Ray (rlpipe validate prints it too)
+        from rlpipe.engine.execution.physical_plan import physical_plan
+
+        summary["physical_plan"] = physical_plan(config, plan, roles)
+    run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, summary)
     runtime = backend = None
     started = time.time()
     try:

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from rlpipe.engine.execution.executor import StepExecutor
+from rlpipe.engine.execution.physical_plan import StaticPlacement, describe_calls
 from rlpipe.engine.execution.ray_runtime import RayBackend
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
@@ -104,6 +105,19 @@ def test_a_reference_chain_runs_beside_old_log_prob_and_records_what_running_in_
     assert span["ref"][0] < span["old_log_prob"][1] and span["old_log_prob"][0] < span["ref"][1]  # at the same time
     order = {node: (r.start_time, r.start_time + r.duration_s) for node, r in records["in order"].items()}
     assert order["old_log_prob"][1] <= order["ref"][0]  # in order, it waited
+    # what rlpipe validate prints (the physical plan, from the config alone) is where each node ran
+    static = StepExecutor(plan, StaticPlacement(runtime.config, set(ALWAYS_ROLES) | plan.roles()), NullObserver(),
+                          "plan", 0)
+    calls = describe_calls(static, nodes)
+    assert [(c["nodes"], c["beside"]) for c in calls] == [
+        (["generate", "reward", "balance"], False), (["old_log_prob"], False), (["ref", "advantage"], True)]
+    by_name = {n.name: n for n in nodes}
+    for call in calls:
+        for name in call["nodes"]:
+            placement = by_name[name].spec.placement
+            ran = records["beside"][name].worker.split("@")[0]
+            assert ran == (call["where"] if placement == "worker" or len(call["nodes"]) == 1
+                           else f"{placement} in {call['where']}"), (name, ran, call)
 
 
 def test_a_mode_hook_fires_between_the_calls_right_before_its_node(runtime):

@@ -276,14 +276,19 @@ class StepExecutor:
         driver does after this chain can change what the next one is given: no driver stage in it (a weight
         push bumps the policy version of the next nodes' contexts) and no mode hook between nodes."""
         group, role = self._fusable(todo, at)
-        after = at + len(group)
-        following, next_role = self._fusable(todo, after) if after < len(todo) else ([], None)
-        hands_on = (hand_on and next_role is not None and len(following) > 1 and not self._hooked(following[0])
-                    and all(n.spec.placement != "driver" for n in group))
+        hands_on = hand_on and self._hands_on(todo, at, group)
         ctxs, stages, bound = self._chained(step, group, extras, role)
         start = time.time()
         call = self.backend.start_worker_chain(role, stages, source, ctxs, hands_on)
         return _StartedChain(group, role, ctxs, call, bound, start, hands_on)
+
+    def _hands_on(self, todo: list[PlannedNode], at: int, group: list[PlannedNode]) -> bool:
+        """Whether the worker chain ``group`` at ``todo[at]`` hands its last table to the next call (see
+        :meth:`_start_chain`)."""
+        after = at + len(group)
+        following, next_role = self._fusable(todo, after) if after < len(todo) else ([], None)
+        return (next_role is not None and len(following) > 1 and not self._hooked(following[0])
+                and all(n.spec.placement != "driver" for n in group))
 
     def finish_chain(self, step: int, started: "_StartedChain", table: pa.Table,
                      input_fp: str | LazyFingerprint) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:

@@ -1,0 +1,105 @@
+"""The physical plan of a step on Ray: which remote calls run which nodes, where, and what overlaps.
+
+Derived from the config alone (no Ray): :class:`StaticPlacement` answers what the Ray backend will
+answer about the run's workers (how many a role has, which process hosts it), and :func:`describe_calls`
+walks the nodes with the executor's own rules (rlpipe.engine.execution.executor: ``_fusable``,
+``_beside``, ``_hands_on``), so what ``rlpipe validate`` prints and the run logs to MLflow
+(``plan_summary.json``: ``calls``) is what the executor does. The executor still makes these decisions
+as it runs (issue 24 item 4: compiled once is not built yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlpipe.engine.state.roles import WORKER_ROLES, worker_processes
+
+
+class StaticPlacement:
+    """The Ray backend's answers about a run's workers, from the config: the executor's grouping rules run on it
+    without starting anything."""
+
+    shared_filesystem = True
+    workers = None
+
+    def __init__(self, config, roles: set[str]):
+        self.task_stages_in_workers = config.resources.task_stages_in_workers
+        processes = worker_processes(config, roles)
+        self._hosted = {role: hosted for hosted in processes.values() for role in hosted}
+        self._sizes = {host: WORKER_ROLES.get(host).size(config) for host in processes}
+
+    def group_size(self, role: str) -> int:
+        return self._sizes.get(self.host(role), 1)
+
+    def host(self, role: str) -> str:
+        return self._hosted.get(role, (role,))[0]
+
+    def hosted_roles(self, role: str) -> tuple[str, ...]:
+        return self._hosted.get(role, (role,))
+
+    def run_task_chain(self, *args: Any, **kwargs: Any):  # the executor fuses task nodes where a backend has it
+        raise NotImplementedError("a static placement runs nothing")
+
+
+def describe_calls(executor, nodes: list[Any]) -> list[dict[str, Any]]:
+    """The calls one run of ``nodes`` makes, in order: ``nodes`` (names), ``where`` (``rollout×1``, ``task``,
+    ``driver`` ...), ``hands_on`` (its last table goes straight to the next call), ``beside`` (starts with the
+    call before it: a concurrent branch)."""
+    calls, i, handed = [], 0, False
+    while i < len(nodes):
+        group, role = executor._fusable(nodes, i)
+        after = i + len(group)
+        beside = not handed and after < len(nodes) and executor._beside(nodes, group, role,
+                                                                         *executor._fusable(nodes, after))
+        chain = role is not None and len(group) > 1
+        hands_on = chain and not beside and executor._hands_on(nodes, i, group)
+        calls.append(_call(executor, group, role, hands_on, False))
+        if beside:
+            second, second_role = executor._fusable(nodes, after)
+            calls.append(_call(executor, second, second_role, False, True))
+            after += len(second)
+        i, handed = after, hands_on
+    return calls
+
+
+def _call(executor, group: list[Any], role: str | None, hands_on: bool, beside: bool) -> dict[str, Any]:
+    if role is not None and len(group) > 1:
+        placement = executor.backend
+        where = f"{'+'.join(placement.hosted_roles(role))}×{placement.group_size(role)}"
+    elif len(group) > 1:
+        where = "task"
+    else:
+        where = executor.where(group[0])
+    return {"nodes": [n.name for n in group], "where": where, "hands_on": hands_on, "beside": beside}
+
+
+def format_calls(calls: list[dict[str, Any]]) -> list[str]:
+    """One line per call, for the terminal."""
+    lines = []
+    for k, call in enumerate(calls, 1):
+        notes = [note for note, on in (("hands its table to the next call", call["hands_on"]),
+                                       (f"runs beside call {k - 1}", call["beside"])) if on]
+        lines.append(f"  {k}. {call['where']}: {', '.join(call['nodes'])}" + (f"  ({'; '.join(notes)})" if notes
+                                                                                 else ""))
+    return lines
+
+
+def physical_plan(config, plan, roles: set[str]) -> list[dict[str, Any]]:
+    """Per part of a step the executor runs as one sequence of calls (the modes split the DAG at their anchors):
+    ``{"part": what, "calls": describe_calls(...)}``."""
+    from rlpipe.engine.execution.executor import StepExecutor
+    from rlpipe.engine.tracking.observer import NullObserver
+
+    executor = StepExecutor(plan, StaticPlacement(config, roles), NullObserver(), "plan", config.seed,
+                            concurrent_branches=config.resources.concurrent_branches)
+    nodes = plan.nodes
+    guard, selects = plan.anchor("guards_staleness"), plan.anchor("selects_groups")
+    if guard is not None:
+        parts = [("the trainer's nodes (each rollout replica runs the nodes before the guard on its groups)",
+                  nodes[nodes.index(guard):])]
+    elif selects is not None:
+        cut = nodes.index(selects) + 1
+        parts = [("generation, repeated until the step has its groups", nodes[:cut]), ("training", nodes[cut:])]
+    else:
+        parts = [("the step", nodes)]
+    return [{"part": part, "calls": describe_calls(executor, part_nodes)} for part, part_nodes in parts]
