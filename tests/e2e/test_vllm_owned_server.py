@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from rlpipe import error_log
+
 from rlpipe.engine.planning.config_io import load_pipeline
 from rlpipe.engine.runtime import run_pipeline
 from vllm_runs import ONE_DIGIT, ROOT, group_pids, learns, parent_pid, server_pids, skip_without_vllm
@@ -64,6 +66,9 @@ def test_a_run_on_its_own_server_learns_and_fails_naming_the_log_when_the_server
     assert killed_at and time.monotonic() - killed_at[0] < 60
     message = str(failure.value)
     assert "vllm" in message and ".log" in message, message
+    # the run's one line (what `rlpipe run` prints) names the cause, not Ray's wrapper
+    line = error_log.one_line(failure.value)
+    assert "the vLLM server" in line and "exited with code -9" in line and ".log" in line, line
     deadline = time.monotonic() + 20
     while group_pids(server_group[0]) and time.monotonic() < deadline:
         time.sleep(0.5)
