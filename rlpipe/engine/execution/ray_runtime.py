@@ -22,6 +22,7 @@ import pyarrow as pa
 import ray
 
 from rlpipe.engine import interrupt
+from rlpipe.engine.execution import ray_watchdog
 from rlpipe.deadline import StageTimeout
 from rlpipe.engine.execution.deferred import DeferredCalls
 from rlpipe.engine.execution.ray_errors import actor_error_line, startup_error_line
@@ -63,6 +64,7 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
                  log_to_driver=True,
                  _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False})
+        ray_watchdog.start(os.getpid())  # a driver killed without ray.shutdown leaves nothing running
     interrupt.keep_over_ray(ours)  # ray.init replaces the SIGTERM handler of `rlpipe run` with sys.exit
     register_arrow_ipc()
 
