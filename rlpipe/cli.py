@@ -128,6 +128,8 @@ def _validate(path: str, overrides: list[str]) -> int:
         waits = sorted(node.depends_on, key=order.__getitem__)
         table.add_row(node.name, f"{node.kind}/{node.impl}", where, ", ".join(waits), ", ".join(sorted(node.writes)))
     Console().print(table)
+    for line in plan.data_checked:
+        print(line)
     from rlpipe.engine.execution.physical_plan import format_calls, physical_plan
     from rlpipe.engine.host import run_thread_budget
 

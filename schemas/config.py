@@ -132,6 +132,10 @@ class DataConfig(Strict):
     """Reshuffle every epoch with the run seed."""
     apply_chat_template: bool = False
     """Wrap each prompt as a user message with the tokenizer's chat template (instruct models)."""
+    check_whole_files_mb: float = Field(16, ge=0)
+    """Dataset files up to this size (MB each) are checked row by row before anything starts (`rlpipe validate`
+    and every run): each row parses, has the fields, has a scorer route and fits max_prompt_length, and an error
+    names the file and line. A bigger file is checked on its first 2000 rows, the rest when the run loads it."""
 
 
 class OptimizerConfig(Strict):

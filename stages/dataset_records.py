@@ -22,6 +22,9 @@ tests as an answer) become JSON.
 from __future__ import annotations
 
 import json
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,8 +43,8 @@ OPTIONAL_COLUMNS = (AGENT, PROMPT_MESSAGES, EXTRA_INFO)
 """String columns a dataset may add; they are kept when present."""
 TEXT_SCHEMA = pa.schema([(name, pa.string()) for name in TEXT_COLUMNS])
 PREVIEW_ROWS = 2000
-"""Rows of each file ``rlpipe validate`` reads (fields, chat prompts, scorer routes, prompt lengths); a bigger
-file is checked on its first rows, and the rest when the run loads it."""
+"""Rows of each file bigger than ``data.check_whole_files_mb`` that ``rlpipe validate`` reads (fields, chat
+prompts, scorer routes, prompt lengths); the rest of such a file is checked when the run loads it."""
 _MISSING = object()
 _PASSED_ANYWAY = (GROUND_TRUTH, DATA_SOURCE)
 """Fields a reward function gets under these names in any case (a row's extra_info need not repeat them)."""
@@ -49,6 +52,43 @@ _PASSED_ANYWAY = (GROUND_TRUTH, DATA_SOURCE)
 
 class DatasetError(ConfigError):
     """A dataset cannot be loaded: a missing file or field, a malformed row."""
+
+
+@dataclass(frozen=True)
+class RowPlaces:
+    """Where each row of a dataset came from, for errors a person can open the file at: ``file:line`` for
+    JSON lines, ``file row n`` for Parquet and Hugging Face data. Kept as one small int array per file, not
+    a string per row, so a large run-time load pays little for it."""
+
+    starts: tuple[int, ...]
+    """Index of each file's first row in the concatenated rows."""
+    names: tuple[str, ...]
+    """Each file's path as the user gave it."""
+    lines: tuple[array | None, ...]
+    """Each file's line number per row (JSON lines: blank lines are skipped), or None: row n is the n-th."""
+
+    @classmethod
+    def of(cls, name: str) -> "RowPlaces":
+        """The rows of one source counted 1, 2, ...: ``name row n``."""
+        return cls((0,), (name,), (None,))
+
+    def __call__(self, index: int) -> str:
+        part = bisect_right(self.starts, index) - 1
+        lines, offset = self.lines[part], index - self.starts[part]
+        return f"{self.names[part]}:{lines[offset]}" if lines is not None else f"{self.names[part]} row {offset + 1}"
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What ``rlpipe validate`` read of a dataset: the rows as the run will see them, where each came from,
+    and the files it read only the first rows of."""
+
+    table: pa.Table
+    """The dataset table of the rows read."""
+    places: RowPlaces
+    """Where each row of ``table`` came from."""
+    partial: tuple[str, ...] = ()
+    """Files read only in part (bigger than the whole-file bound), as ``path (N MB)``."""
 
 
 class DatasetParams(BaseModel):
@@ -142,18 +182,19 @@ def _fields_hint(rows: list[dict], key: str, params: RecordParams) -> str:
     return f"fields: {fields}. Set the matching *_key param{hint}"
 
 
-def records_table(rows: list[dict], params: RecordParams, where: str) -> pa.Table:
+def records_table(rows: list[dict], params: RecordParams, places: RowPlaces) -> pa.Table:
     """The dataset table of ``rows`` (module docstring): prompt, ground_truth, data_source and the optional
-    prompt_messages / extra_info / agent columns; a missing field or a malformed value names the row."""
-    if params.limit:
-        rows = rows[: params.limit]
+    prompt_messages / extra_info / agent columns; a missing or null field or a malformed value names the file and
+    line (``places``). ``params.limit`` is the caller's to apply."""
     keys = [params.prompt_key, params.answer_key] + ([params.data_source_key] if params.data_source is None else [])
     columns: dict[str, list] = {name: [] for name in (*TEXT_COLUMNS, PROMPT_MESSAGES, EXTRA_INFO, AGENT)}
-    for number, row in enumerate(rows, 1):
+    for index, row in enumerate(rows):
         values = [lookup(row, key) for key in keys]
         for key, value in zip(keys, values):
             if value is _MISSING:
-                raise DatasetError(f"{where} row {number} has no field {key!r}; {_fields_hint(rows, key, params)}")
+                raise DatasetError(f"{places(index)}: no field {key!r}; {_fields_hint(rows, key, params)}")
+            if value is None:
+                raise DatasetError(f"{places(index)}: field {key!r} is null; fill or drop the row")
         prompt, answer = values[0], values[1]
         messages = chat_messages(prompt)
         if messages is not None:
@@ -166,11 +207,8 @@ def records_table(rows: list[dict], params: RecordParams, where: str) -> pa.Tabl
         elif isinstance(prompt, str):
             columns[PROMPT].append(params.prompt_template.replace("{prompt}", prompt))
             columns[PROMPT_MESSAGES].append(None)
-        elif prompt is None:
-            columns[PROMPT].append(None)  # load_dataset names the null column
-            columns[PROMPT_MESSAGES].append(None)
         else:
-            raise DatasetError(f"{where} row {number}: field {params.prompt_key!r} is {type(prompt).__name__} "
+            raise DatasetError(f"{places(index)}: field {params.prompt_key!r} is {type(prompt).__name__} "
                                f"{as_text(prompt)[:80]!r}; a prompt is text or a list of chat messages "
                                "({role, content}); fix the data or data.params.prompt_key")
         columns[GROUND_TRUTH].append(as_text(answer))
@@ -182,7 +220,7 @@ def records_table(rows: list[dict], params: RecordParams, where: str) -> pa.Tabl
                 info = {k: v for k, v in row.items() if k not in (params.prompt_key, *_PASSED_ANYWAY)}
                 info.update({"prompt": messages} if messages is not None else {})
             elif info is not None and not isinstance(info, dict):
-                raise DatasetError(f"{where} row {number}: field {params.extra_info_key!r} is {type(info).__name__}, "
+                raise DatasetError(f"{places(index)}: field {params.extra_info_key!r} is {type(info).__name__}, "
                                    "not a dict; fix the data or set data.params.extra_info_key")
         columns[EXTRA_INFO].append(json.dumps(info or {}, ensure_ascii=False, default=str))
         agent = lookup(row, params.agent_key) if params.agent_key else None
@@ -209,9 +247,10 @@ def file_paths(path: str | list[str]) -> list[Path]:
     return paths
 
 
-def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
-    """The JSON objects of a JSON-lines file (blank lines skipped); a bad line names its number."""
-    rows = []
+def read_jsonl(path: Path, limit: int | None = None) -> tuple[list[dict], array]:
+    """The JSON objects of a JSON-lines file (blank lines skipped) and the line number of each; a bad line
+    names its number."""
+    rows, numbers = [], array("l")
     with path.open("rb") as lines:  # bytes, decoded line by line: a bad byte is named where it is
         for number, raw in enumerate(lines, start=1):
             if limit is not None and len(rows) >= limit:
@@ -227,26 +266,61 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
                 raise DatasetError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{number}: not a JSON object; one object per line")
-            rows.extend([row] if row else [])
-    return rows
+            if row:
+                rows.append(row)
+                numbers.append(number)
+    return rows, numbers
 
 
-def read_parquet(path: Path, limit: int | None = None) -> list[dict]:
-    """The rows of a Parquet file (nested columns as dicts and lists)."""
+def read_parquet(path: Path, limit: int | None = None) -> tuple[list[dict], None]:
+    """The rows of a Parquet file (nested columns as dicts and lists); rows are named by their number."""
     try:
         if limit is None:
-            return pq.read_table(path).to_pylist()
+            return pq.read_table(path).to_pylist(), None
         first = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
-        return first.to_pylist() if first is not None else []
+        return (first.to_pylist() if first is not None else []), None
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{path}: not a readable Parquet file ({exc}); fix data.params.path") from None
 
 
-def load_files(params: Any, reader: Callable[[Path, int | None], list[dict]], limit: int | None = None) -> pa.Table:
-    """The dataset table of every file of ``params.path``, read by ``reader`` (first ``limit`` rows of each)."""
-    paths = file_paths(params.path)
-    rows = [row for path in paths for row in reader(path, limit)]
-    return records_table(rows, params, str(params.path if len(paths) > 1 else paths[0]))
+Reader = Callable[[Path, "int | None"], "tuple[list[dict], array | None]"]
+"""A file format's reader: the first ``limit`` rows of a file (all when None) and each one's line number (None:
+rows are named by their number)."""
+
+
+def _size(bytes_: int) -> str:
+    return f"{bytes_ / 2**20:.1f} MB"
+
+
+def read_files(params: Any, reader: Reader, limit: int | None = None, whole_below_bytes: int = 0) -> Preview:
+    """Every file of ``params.path`` read by ``reader`` as one dataset table: whole when ``limit`` is None or the
+    file has at most ``whole_below_bytes``, else its first ``limit`` rows; ``params.limit`` keeps the first rows
+    of the concatenation."""
+    rows: list[dict] = []
+    starts, names, lines, partial = [], [], [], []
+    for path in file_paths(params.path):
+        size = path.stat().st_size
+        bounded = limit is not None and size > whole_below_bytes
+        caps = ([limit] if bounded else []) + ([params.limit - len(rows)] if params.limit is not None else [])
+        cap = min(caps, default=None)
+        if cap == 0:
+            break
+        read, numbers = reader(path, cap)
+        starts.append(len(rows))
+        names.append(str(path))
+        lines.append(numbers)
+        rows.extend(read)
+        if bounded and len(read) == limit:  # stopped by the bound, not by the file's end or params.limit
+            partial.append(f"{path} ({_size(size)})")
+            if params.limit is not None:  # the run may take all its rows from the rest of this file
+                break
+    places = RowPlaces(tuple(starts), tuple(names), tuple(lines))
+    return Preview(records_table(rows, params, places), places, tuple(partial))
+
+
+def load_files(params: Any, reader: Reader) -> pa.Table:
+    """The dataset table of every file of ``params.path``, read whole by ``reader``."""
+    return read_files(params, reader).table
 
 
 def hf_rows(path: str, split: str, limit: int | None = None) -> list[dict]:
@@ -292,6 +366,20 @@ class HfParams(RecordParams):
     """Split of a DatasetDict (or of a data folder)."""
 
 
-def load_hf(params: HfParams, limit: int | None = None) -> pa.Table:
-    """The dataset table of a Hugging Face dataset (first ``limit`` rows)."""
-    return records_table(hf_rows(params.path, params.split, limit), params, params.path)
+def read_hf(params: HfParams, limit: int | None = None, whole_below_bytes: int = 0) -> Preview:
+    """A Hugging Face dataset as a table: whole when ``limit`` is None or its files hold at most
+    ``whole_below_bytes``, else its first ``limit`` rows (``params.limit`` caps both)."""
+    folder = Path(params.path)
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else (
+        folder.stat().st_size if folder.exists() else 0)
+    bounded = limit is not None and size > whole_below_bytes
+    cap = min(([limit] if bounded else []) + ([params.limit] if params.limit is not None else []), default=None)
+    rows = hf_rows(params.path, params.split, cap)
+    partial = (f"{params.path} ({_size(size)})",) if bounded and len(rows) == limit else ()
+    places = RowPlaces.of(params.path)
+    return Preview(records_table(rows, params, places), places, partial)
+
+
+def load_hf(params: HfParams) -> pa.Table:
+    """The dataset table of a Hugging Face dataset."""
+    return read_hf(params).table

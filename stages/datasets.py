@@ -39,6 +39,7 @@ from rlpipe.stages.dataset_records import (  # noqa: F401 - DatasetError, Datase
     OPTIONAL_COLUMNS,
     PREVIEW_ROWS,
     PROMPT,
+    Preview,
     TEXT_COLUMNS,
     TEXT_SCHEMA,
     DatasetError,
@@ -47,6 +48,8 @@ from rlpipe.stages.dataset_records import (  # noqa: F401 - DatasetError, Datase
     RecordParams,
     load_files,
     load_hf,
+    read_files,
+    read_hf,
     read_jsonl,
     read_parquet,
 )
@@ -61,11 +64,12 @@ class DatasetSpec:
     name: str
     fn: Callable[[Any, int], pa.Table]
     params_model: type[BaseModel]
-    preview: Callable[[Any, int], pa.Table | None] | None = None
-    """Validate-time check (no full load): files exist, the first ``rows`` rows parse and have the fields."""
+    preview: Callable[[Any, int, int], Preview] | None = None
+    """Validate-time read ``(params, rows, whole_below_bytes)``: files exist, and every row of a file up to
+    ``whole_below_bytes`` (the first ``rows`` of a bigger one) parses and has the fields."""
 
 
-def dataset(name: str, params: type[BaseModel], preview: Callable[[Any, int], pa.Table | None] | None = None,
+def dataset(name: str, params: type[BaseModel], preview: Callable[[Any, int, int], Preview] | None = None,
             ) -> Callable:
     """Decorator registering ``fn(params, seed) -> pa.Table`` as dataset ``name``."""
 
@@ -76,11 +80,12 @@ def dataset(name: str, params: type[BaseModel], preview: Callable[[Any, int], pa
     return decorate
 
 
-def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None, rows: int = PREVIEW_ROWS) -> pa.Table | None:
-    """The dataset's validate-time check, if it has one (file datasets do: their first ``rows`` rows per file,
-    as a table)."""
+def preview_dataset(name: str, params: dict[str, Any] | BaseModel | None, whole_below_bytes: int = 0,
+                    rows: int = PREVIEW_ROWS) -> Preview | None:
+    """The dataset's validate-time read, if it has one (file datasets do: every row of a file up to
+    ``whole_below_bytes``, the first ``rows`` of a bigger one)."""
     spec = dataset_spec(name)
-    return spec.preview(validate_params(name, params), rows) if spec.preview is not None else None
+    return spec.preview(validate_params(name, params), rows, whole_below_bytes) if spec.preview is not None else None
 
 
 def dataset_spec(name: str) -> DatasetSpec:
@@ -181,19 +186,19 @@ class FileParams(RecordParams):
     """Local file, or a list of files concatenated in order."""
 
 
-@dataset("jsonl", FileParams, preview=lambda params, rows: load_files(params, read_jsonl, rows))
+@dataset("jsonl", FileParams, preview=lambda params, rows, whole: read_files(params, read_jsonl, rows, whole))
 def jsonl(params: FileParams, seed: int) -> pa.Table:
     """Local JSON-lines files (TRL-style records: text or chat-message prompts, nested answer keys)."""
     return load_files(params, read_jsonl)
 
 
-@dataset("parquet", FileParams, preview=lambda params, rows: load_files(params, read_parquet, rows))
+@dataset("parquet", FileParams, preview=lambda params, rows, whole: read_files(params, read_parquet, rows, whole))
 def parquet(params: FileParams, seed: int) -> pa.Table:
     """Local parquet files, e.g. verl's preprocessed datasets read as they are."""
     return load_files(params, read_parquet)
 
 
-@dataset("hf", HfParams, preview=lambda params, rows: load_hf(params, rows))
+@dataset("hf", HfParams, preview=lambda params, rows, whole: read_hf(params, rows, whole))
 def hf(params: HfParams, seed: int) -> pa.Table:
     """A Hugging Face `datasets` dataset on this machine (a save_to_disk folder or local data files)."""
     return load_hf(params)

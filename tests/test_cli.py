@@ -194,3 +194,20 @@ def test_a_run_that_fails_prints_one_line_and_keeps_the_details_in_a_log_file(tm
     assert "Traceback (most recent call last)" in details and "NumericalError" in details
     assert "where the stage failed:" in details and "train_state.py" in details  # the trainer's own frames
     assert "trainer.optimizer.lr=1e30" in details  # the command line
+
+
+def test_validate_checks_every_row_of_a_file_up_to_the_bound(tmp_path, capsys):
+    """issue 25 item 6: a too-long prompt on line 2500 of a small file is found before anything starts, named by
+    file and line; past data.check_whole_files_mb the first 2000 rows are read and validate says so."""
+    rows = [{"prompt": f"{i % 97}+1=", "ground_truth": str(i % 97 + 1), "data_source": "digits"} for i in range(2600)]
+    rows[2499]["prompt"] = "1234567+1234567="
+    data = tmp_path / "many.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["validate", str(ROOT / "tests" / "fixtures" / "prompt_longer_than_max.yaml"),
+              "-o", f"data.params.path={data}", "-o", f"trainer.output_dir={tmp_path}"]
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert f"the prompt of {data}:2500 of dataset 'jsonl' has 16 tokens > data.max_prompt_length=8" in err
+    assert main([*common, "-o", "data.check_whole_files_mb=0"]) == 0
+    out = capsys.readouterr().out
+    assert f"data: 2000 rows checked; only the first 2000 of {data} (0.2 MB) (over data.check_whole_files_mb=0" in out

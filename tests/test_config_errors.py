@@ -38,7 +38,7 @@ CASES = {
                                              r"the number without quotes"),
     "missing_dataset_file.yaml": (ConfigError, r"dataset file 'tests/fixtures/data/does_not_exist\.jsonl' does not exist"
                                                r".*fix data\.params\.path"),
-    "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl row 1 has no field 'prompt'; fields: "
+    "dataset_rows_without_field.yaml": (ConfigError, r"no_prompt_field\.jsonl:1: no field 'prompt'; fields: "
                                                      r"\['question', 'ground_truth', 'data_source'\]"),
     "bad_scorer_params.yaml": (ConfigError, r"scorer_params\.code\.timeout_s: Input should be a valid number "
                                             r"\(got 'ten seconds'\)"),
@@ -51,7 +51,7 @@ CASES = {
     "urls_not_one_per_replica.yaml": (ConfigError, r"stages\[generate\]\.params\.server\.urls names 1 server\(s\) "
                                                   r"for resources\.rollout_replicas=2; give one address per rollout replica"),
     # issue 23 item 4: what a verl/TRL user's job gets wrong, caught by validate
-    "prompt_longer_than_max.yaml": (ConfigError, r"data: the prompt of row 2 of dataset 'jsonl' has 16 tokens > "
+    "prompt_longer_than_max.yaml": (ConfigError, r"data: the prompt of tests/fixtures/data/long_prompts\.jsonl:2 of dataset 'jsonl' has 16 tokens > "
                                                  r"data\.max_prompt_length=8 \(2 of the 3 rows checked are too long\)"),
     "unrouted_data_source.yaml": (ConfigError, r"stages\[reward\]: no scorer for data_source\(s\) \['mystery_math'\]"),
     "chat_prompts_without_template.yaml": (ConfigError, r"prompts of dataset 'jsonl' are lists of chat messages; set "

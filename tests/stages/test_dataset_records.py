@@ -43,7 +43,7 @@ def test_a_verl_parquet_keeps_its_chat_prompt_nested_answer_and_extra_info(tmp_p
     assert json.loads(row["prompt_messages"]) == verl_rows()[1]["prompt"]  # never the JSON text as the prompt
     assert row["ground_truth"] == "2" and row["data_source"] == "openai/gsm8k"
     assert json.loads(row["extra_info"]) == {"split": "train", "index": 1}
-    with pytest.raises(DatasetError, match=r"row 1 has no field 'ground_truth'.*verl's format: set "
+    with pytest.raises(DatasetError, match=r"train\.parquet row 1: no field 'ground_truth'.*verl's format: set "
                                            r"data.params.answer_key: reward_model.ground_truth"):
         load_dataset("parquet", {"path": str(path)}, 0)
 
@@ -81,7 +81,7 @@ def test_a_prompt_that_is_neither_text_nor_messages_names_its_row(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok", "ground_truth": "1", "data_source": "x"}\n'
                     '{"prompt": 17, "ground_truth": "1", "data_source": "x"}\n')
-    with pytest.raises(DatasetError, match=r"bad.jsonl row 2: field 'prompt' is int '17'; a prompt is text or a list "
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:2: field 'prompt' is int '17'; a prompt is text or a list "
                                            r"of chat messages"):
         load_dataset("jsonl", {"path": str(path)}, 0)
 

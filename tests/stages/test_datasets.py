@@ -18,6 +18,7 @@ from rlpipe.stages.datasets import (
     dataset_spec,
     digits_answers,
     load_dataset,
+    preview_dataset,
 )
 from rlpipe.stages.scorers import digits as digits_score, math_answer
 
@@ -117,7 +118,7 @@ def test_file_errors(tmp_path):
     with pytest.raises(DatasetError, match="dataset file '.*missing.jsonl' does not exist.*fix data.params.path"):
         load_dataset("jsonl", {"path": str(tmp_path / "missing.jsonl")}, 0)
     path = _write_jsonl(tmp_path / "a.jsonl", ROWS)
-    with pytest.raises(DatasetError, match=r"has no field 'prompt'; fields: \['question', 'answer', 'src'\]"):
+    with pytest.raises(DatasetError, match=r"no field 'prompt'; fields: \['question', 'answer', 'src'\]"):
         load_dataset("jsonl", {"path": path}, 0)
     with pytest.raises(DatasetError, match=r"no field 'data_source'.*or set data.params.data_source to a constant"):
         load_dataset("jsonl", {"path": path, "prompt_key": "question", "answer_key": "answer"}, 0)
@@ -133,6 +134,47 @@ def test_file_errors(tmp_path):
         load_dataset("jsonl", {"path": str(latin1)}, 0)
 
 
+def test_row_errors_name_the_file_and_line(tmp_path):
+    """issue 25 item 6: a missing or null field names the file and the line a person opens, blank lines and
+    earlier files included."""
+    good = _write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "ground_truth": "1", "data_source": "x"}] * 2)
+    blank_lines = tmp_path / "gaps.jsonl"
+    blank_lines.write_text('{"prompt": "a", "ground_truth": "1", "data_source": "x"}\n\n\n'
+                           '{"prompt": "b", "data_source": "x"}\n')
+    with pytest.raises(DatasetError, match=r"gaps\.jsonl:4: no field 'ground_truth'"):
+        load_dataset("jsonl", {"path": [good, str(blank_lines)]}, 0)
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"prompt": "a", "ground_truth": "1", "data_source": "x"}\n'
+                    '{"prompt": null, "ground_truth": "2", "data_source": "x"}\n')
+    with pytest.raises(DatasetError, match=r"null\.jsonl:2: field 'prompt' is null; fill or drop the row"):
+        load_dataset("jsonl", {"path": str(null)}, 0)
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "ground_truth": ["1", None, "3"]}), tmp_path / "n.parquet")
+    with pytest.raises(DatasetError, match=r"n\.parquet row 2: field 'ground_truth' is null"):
+        load_dataset("parquet", {"path": str(tmp_path / "n.parquet"), "data_source": "x"}, 0)
+
+
+def test_preview_reads_whole_files_up_to_the_bound(tmp_path):
+    """issue 25 item 6: validate reads every row of a file up to data.check_whole_files_mb; past the bound only
+    the first rows, and says which files it read in part."""
+    rows = [{"prompt": f"{i}=", "ground_truth": str(i), "data_source": "x"} for i in range(60)]
+    rows[50] = {"prompt": "50="}  # a bad row past the first rows read of a big file
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    size = Path(path).stat().st_size
+    with pytest.raises(DatasetError, match=r"d\.jsonl:51: no field 'ground_truth'"):
+        preview_dataset("jsonl", {"path": path}, whole_below_bytes=size, rows=10)
+    part = preview_dataset("jsonl", {"path": path}, whole_below_bytes=size - 1, rows=10)
+    assert part.table.num_rows == 10 and part.partial == (f"{path} ({size / 2**20:.1f} MB)",)
+    assert part.places(9) == f"{path}:10"
+    # params.limit within the rows read: everything the run will use was read, nothing is partial
+    limited = preview_dataset("jsonl", {"path": [path, path], "limit": 5}, whole_below_bytes=0, rows=10)
+    assert limited.table.num_rows == 5 and limited.partial == ()
+    two = preview_dataset("jsonl", {"path": [path, path]}, whole_below_bytes=0, rows=10)
+    assert two.table.num_rows == 20 and two.places(14) == f"{path}:5"  # the second file's fifth line
+    # with params.limit the run may take all its rows from the rest of a file read in part: the next is not read
+    first = preview_dataset("jsonl", {"path": [path, path], "limit": 25}, whole_below_bytes=0, rows=20)
+    assert first.table.num_rows == 20 and first.partial == (f"{path} ({size / 2**20:.1f} MB)",)
+
+
 def test_parquet(tmp_path):
     table = pa.table({"q": ["a", "b"], "ground_truth": ["1", "2"]})
     pq.write_table(table, tmp_path / "d.parquet")
@@ -140,7 +182,7 @@ def test_parquet(tmp_path):
     out = load_dataset("parquet", params, 0)
     assert out.to_pylist() == [{"prompt": "a", "ground_truth": "1", "data_source": "exact_match"},
                                {"prompt": "b", "ground_truth": "2", "data_source": "exact_match"}]
-    with pytest.raises(DatasetError, match="has no field 'answer'"):
+    with pytest.raises(DatasetError, match="no field 'answer'"):
         load_dataset("parquet", {"path": str(tmp_path / "d.parquet"), "prompt_key": "q", "answer_key": "answer"}, 0)
 
 

@@ -82,6 +82,8 @@ class Plan:
     """The pipeline's plugin files, imported wherever a stage runs (StageContext.plugins)."""
     eval: EvalPlan | None = None
     """The eval DAG (``eval:``; None: no evaluation during training)."""
+    data_checked: list[str] = field(default_factory=list)
+    """What the preflight read of each dataset (every row, or which files in part), for ``rlpipe validate``."""
 
     def node(self, kind: str) -> PlannedNode | None:
         """The first node of ``kind`` (None when the pipeline has none)."""

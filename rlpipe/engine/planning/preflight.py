@@ -7,11 +7,12 @@ traceback minutes into a run:
   writable directory);
 * ``model.path`` / ``tokenizer.path`` are folders with a model config and weights / tokenizer files
   (read as files, nothing loaded);
-* a file dataset's files exist and their first rows (``PREVIEW_ROWS`` per file) parse and carry the
-  fields (the dataset's own ``preview``, :func:`rlpipe.stages.datasets.preview_dataset`); on those
-  rows: chat-message prompts need ``data.apply_chat_template``, every data_source has a scorer route,
-  and every prompt, tokenized as the run will (the tokenizer is built, no model), fits
-  ``data.max_prompt_length``;
+* a file dataset's files exist and every row of a file up to ``data.check_whole_files_mb`` (the first
+  ``PREVIEW_ROWS`` of a bigger one) parses and carries the fields (the dataset's own ``preview``,
+  :func:`rlpipe.stages.datasets.preview_dataset`); on those rows: chat-message prompts need
+  ``data.apply_chat_template``, every data_source has a scorer route, and every prompt, tokenized as the
+  run will (the tokenizer is built, no model), fits ``data.max_prompt_length``; errors name file and line,
+  and what was read is kept on the plan (``Plan.data_checked``) for ``rlpipe validate`` to print;
 * ``data.max_prompt_length + generate max_tokens`` fits the model's positions
   (``model.architecture.max_position_embeddings``, or ``config.json`` of ``model.path``);
 * a generate stage attached to running servers (``params.server.urls``) names one per rollout
@@ -27,7 +28,7 @@ import os
 from pathlib import Path
 
 from rlpipe.errors import ConfigError
-from rlpipe.stages.dataset_records import PROMPT_MESSAGES
+from rlpipe.stages.dataset_records import PREVIEW_ROWS, PROMPT_MESSAGES
 from rlpipe.stages.datasets import preview_dataset
 
 
@@ -42,14 +43,25 @@ def check_plan(config, plan) -> None:
     check_positions(config, plan)
     check_server_urls(config, plan)
     for field, data in (("data", config.data), ("eval.data", config.eval.data if config.eval else None)):
-        rows = preview_dataset(data.source, data.params) if data is not None else None
-        if rows is None:
+        preview = preview_dataset(data.source, data.params, int(data.check_whole_files_mb * 2**20)) if data else None
+        if preview is None:
             continue
+        rows = preview.table
         if PROMPT_MESSAGES in rows.column_names and not data.apply_chat_template:
             raise ConfigError(f"{field}: the prompts of dataset {data.source!r} are lists of chat messages; set "
                               f"{field}.apply_chat_template: true so the tokenizer's chat template renders them")
         check_routes(rows, plan)
-        check_prompt_lengths(rows, config, data, field)
+        check_prompt_lengths(rows, config, data, field, preview.places)
+        plan.data_checked.append(describe_read(field, preview, data.check_whole_files_mb))
+
+
+def describe_read(field: str, preview, whole_mb: float) -> str:
+    """One line saying what the preflight read of a dataset: every row, or which files only in part."""
+    if not preview.partial:
+        return f"{field}: every row checked ({preview.table.num_rows})"
+    return (f"{field}: {preview.table.num_rows} rows checked; only the first {PREVIEW_ROWS} of "
+            f"{', '.join(preview.partial)} (over {field}.check_whole_files_mb={whole_mb:g}; the rest when the run "
+            "loads it)")
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
@@ -98,23 +110,35 @@ def check_routes(rows, plan) -> None:
             raise ConfigError(f"stages[{reward.name}]: {exc}") from None
 
 
-def check_prompt_lengths(rows, config, data=None, field: str = "data") -> None:
+LENGTH_CHUNK = 8192
+"""Prompts tokenized at once by the length check (their ids are dropped after counting)."""
+
+
+def check_prompt_lengths(rows, config, data=None, field: str = "data", places=None) -> None:
     """Every checked row's prompt, tokenized (chat template included) as the data loader will, fits
-    ``data.max_prompt_length``; the error names the row, its length and how many more are too long."""
+    ``data.max_prompt_length``; the error names the row (its file and line, given ``places``), its length and how
+    many more are too long."""
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.engine.state.data import tokenize_prompts
 
     data = data or config.data
-    messages = rows.column(PROMPT_MESSAGES).to_pylist() if PROMPT_MESSAGES in rows.column_names else None
-    ids = tokenize_prompts(rows.column("prompt").to_pylist(), build_tokenizer(config.tokenizer),
-                           data.apply_chat_template, messages)
+    tokenizer = build_tokenizer(config.tokenizer)
+    prompts = rows.column("prompt")
+    messages = rows.column(PROMPT_MESSAGES) if PROMPT_MESSAGES in rows.column_names else None
+    lengths = []
+    for start in range(0, rows.num_rows, LENGTH_CHUNK):  # lengths only, a chunk at a time: memory stays small
+        chunk = slice(start, start + LENGTH_CHUNK)
+        ids = tokenize_prompts(prompts[chunk].to_pylist(), tokenizer, data.apply_chat_template,
+                               messages[chunk].to_pylist() if messages is not None else None)
+        lengths.extend(len(x) for x in ids)
     limit = data.max_prompt_length
-    too_long = [i for i, x in enumerate(ids) if len(x) > limit]
+    too_long = [i for i, n in enumerate(lengths) if n > limit]
     if too_long:
         first = too_long[0]
+        where = f"{places(first)}" if places is not None else f"row {first + 1}"
         raise ConfigError(
-            f"{field}: the prompt of row {first + 1} of dataset {data.source!r} has {len(ids[first])} tokens > "
-            f"{field}.max_prompt_length={limit} ({len(too_long)} of the {len(ids)} rows checked are too long); raise "
+            f"{field}: the prompt of {where} of dataset {data.source!r} has {lengths[first]} tokens > "
+            f"{field}.max_prompt_length={limit} ({len(too_long)} of the {len(lengths)} rows checked are too long); raise "
             f"{field}.max_prompt_length or filter the dataset")
 
 
