@@ -133,8 +133,9 @@ class ChatSession:
         """Tokens this session may still add after its first prompt (None: no cap)."""
         return None if self.max_tokens is None else self.max_tokens - len(self.current.ids)
 
-    def record(self, result: GenerationResult) -> str:
-        """Append the model's tokens (mask 1); returns the reply text for the client (special tokens skipped)."""
+    def record(self, result: GenerationResult, content: str | None = None) -> str:
+        """Append the model's tokens (mask 1); returns the reply text for the client: ``content`` when given (a
+        reply cut at a stop string, :func:`cut_at_stop`), else the tokens' text with special tokens skipped."""
         seg = self.current
         ids = result.response_ids.tolist()
         seg.spans.append((len(seg.ids), len(seg.ids) + len(ids)))
@@ -143,7 +144,8 @@ class ChatSession:
         seg.logprobs.extend(result.logprobs.tolist())
         seg.versions.extend(result.versions.tolist())
         self.turns += 1
-        content = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if content is None:
+            content = self.tokenizer.decode(ids, skip_special_tokens=True)
         prompt = render(self.tokenizer, seg.messages)
         seg.messages.append({"role": "assistant", "content": content})
         full = render(self.tokenizer, seg.messages, add_generation_prompt=False)
@@ -158,3 +160,26 @@ class ChatSession:
         return {"session": self.id, "segments": len(self.segments), "turns": self.turns, "cut": self.cut,
                 "prompt_tokens": len(seg.prompt_ids) if seg else 0, "response_tokens": len(seg.ids) if seg else 0,
                 "model_tokens": int(sum(seg.mask)) if seg else 0}
+
+
+def cut_at_stop(result: GenerationResult, stops: Sequence[str], tokenizer: Any) -> tuple[GenerationResult, str | None]:
+    """A reply ended at its first stop string, as OpenAI's ``stop`` does: the result up to the token that
+    completes the string (the tokens the model really produced, so the trajectory stays token-true; those after
+    it are dropped) with finish reason ``stop``, and the reply text before the string (None, and the result as it
+    is, when no stop string occurs). The engines stop on token ids, so the check runs on the finished reply: the
+    smallest token prefix holding a stop string is found by bisection (log2(n) decodes)."""
+    ids = result.response_ids
+    decode = lambda k: tokenizer.decode(ids[:k].tolist(), skip_special_tokens=True)  # noqa: E731
+    if not stops or not any(s in decode(len(ids)) for s in stops):
+        return result, None
+    low, high = 1, len(ids)  # the text of ids[:high] holds a stop string; find the smallest such high
+    while low < high:
+        middle = (low + high) // 2
+        if any(s in decode(middle) for s in stops):
+            high = middle
+        else:
+            low = middle + 1
+    text = decode(high)
+    start = min(text.find(s) for s in stops if s in text)
+    kept = GenerationResult(result.request_id, ids[:high], result.logprobs[:high], result.versions[:high], "stop")
+    return kept, text[:start]

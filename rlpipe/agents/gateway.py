@@ -48,7 +48,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol, Sequence
 
-from rlpipe.agents.chat import ChatSession
+from rlpipe.agents.chat import ChatSession, cut_at_stop
 from rlpipe.agents.http_guard import BoundedServer, GatewayLimits, GuardedHandler
 from rlpipe.agents.openai_format import (FormatError, completion, parse_messages, sampling_fields, split_calls,
                                          stream_events, tool_names)
@@ -251,7 +251,7 @@ class Gateway:
         try:
             messages = parse_messages(body)
             names = tool_names(body)
-            max_tokens, temperature, top_p, seed = sampling_fields(body, self.default_max_tokens)
+            max_tokens, temperature, top_p, seed, stops = sampling_fields(body, self.default_max_tokens)
         except FormatError as exc:
             raise GatewayError(str(exc), param=exc.param) from None
         session_id = session_id or body.get("session") or body.get("user") or f"anon-{uuid.uuid4().hex}"
@@ -275,7 +275,8 @@ class Gateway:
                 raise GatewayError(f"the rollout engine refused the request: {exc}", 400) from exc
             finally:
                 session.last_active = time.monotonic()
-            text = session.record(result)
+            result, before_stop = cut_at_stop(result, stops, session.tokenizer)
+            text = session.record(result, before_stop)
             if budget is not None and len(result.response_ids) >= budget:
                 session.cut = True
             content, calls = text, []

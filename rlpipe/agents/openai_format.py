@@ -115,12 +115,12 @@ def _integer(body: dict, name: str, low: int, high: int = 2**63 - 1) -> int | No
     return value
 
 
-def sampling_fields(body: dict, default_max_tokens: int) -> tuple[int, float, float, int]:
-    """``(max_tokens, temperature, top_p, seed)`` of a request, each checked as OpenAI checks it (a 400 naming
-    the field, never a silent substitute): ``max_completion_tokens`` / ``max_tokens`` >= 1 (the first one set
-    wins; none = ``default_max_tokens``), ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` >= 1 and, as the
-    gateway returns one choice, exactly 1, ``stop`` a string or a list of at most 4 strings (checked, not
-    applied: the engines stop on token ids; the model's eos ends a turn), ``seed`` a 64-bit integer."""
+def sampling_fields(body: dict, default_max_tokens: int) -> tuple[int, float, float, int, tuple[str, ...]]:
+    """``(max_tokens, temperature, top_p, seed, stop)`` of a request, each checked as OpenAI checks it (a 400
+    naming the field, never a silent substitute): ``max_completion_tokens`` / ``max_tokens`` >= 1 (the first one
+    set wins; none = ``default_max_tokens``), ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` >= 1 and, as
+    the gateway returns one choice, exactly 1, ``stop`` a string or a list of at most 4 strings (empty ones
+    dropped, as they match nothing), ``seed`` a 64-bit integer."""
     limits = [_integer(body, name, 1) for name in ("max_completion_tokens", "max_tokens")]
     max_tokens = next((v for v in limits if v is not None), default_max_tokens)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -132,7 +132,8 @@ def sampling_fields(body: dict, default_max_tokens: int) -> tuple[int, float, fl
             or isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)):
         raise FormatError("`stop` must be a string or a list of at most 4 strings", "stop")
     seed = _integer(body, "seed", -(2**63))
-    return max_tokens, temperature, top_p, 0 if seed is None else seed
+    stops = tuple(s for s in ([stop] if isinstance(stop, str) else stop or []) if s)
+    return max_tokens, temperature, top_p, 0 if seed is None else seed, stops
 
 
 def hermes_calls(calls: Sequence[dict]) -> str:

@@ -201,3 +201,24 @@ def test_chat_session_keeps_special_tokens_adds_the_template_tail_and_splits_on_
     assert seg.mask == [1, 1, 1] + [0] * 9 and ids == seg.prompt_ids + seg.ids
     s.prompt_for([{"role": "user", "content": "other"}])  # rewritten history: a new segment
     assert len(s.segments) == 2 and s.current.ids == []
+
+
+def test_a_stop_string_ends_the_reply_and_the_record_keeps_the_tokens_that_made_it(tok):
+    """OpenAI's `stop`: the client gets the text before the string, finish reason stop; the trajectory keeps the
+    tokens the model produced up to the one that completed the string (token-true), the rest is dropped."""
+    from rlpipe.agents.chat import ChatSession, cut_at_stop
+
+    s = ChatSession("s", tok)
+    user = [{"role": "user", "content": "1+1="}]
+    s.prompt_for(user)
+    reply = _result(tok, tok.encode("2+2=4"))  # one token per character
+    result, content = cut_at_stop(reply, ["=4", "+2"], tok)
+    assert content == "2" and result.finish_reason == "stop"  # the earliest stop string wins
+    assert result.response_ids.tolist() == tok.encode("2+2") and len(result.logprobs) == len(result.versions) == 3
+    assert s.record(result, content) == "2"
+    s.prompt_for(user + [{"role": "assistant", "content": "2"}, {"role": "user", "content": "1"}])
+    seg = s.current
+    assert seg.ids == tok.encode("2+2") + [tok.eos_token_id] + tok.encode("\nU:1\nA:")  # the client's history matched
+    assert seg.mask == [1, 1, 1] + [0] * 8
+    same, none = cut_at_stop(reply, ["9", "42"], tok)
+    assert none is None and same is reply
