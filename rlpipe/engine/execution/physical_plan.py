@@ -1,11 +1,10 @@
 """The physical plan of a step on Ray: which remote calls run which nodes, where, and what overlaps.
 
 Derived from the config alone (no Ray): :class:`StaticPlacement` answers what the Ray backend will
-answer about the run's workers (how many a role has, which process hosts it), and :func:`describe_calls`
-walks the nodes with the executor's own rules (rlpipe.engine.execution.executor: ``_fusable``,
-``_beside``, ``_hands_on``), so what ``rlpipe validate`` prints and the run logs to MLflow
-(``plan_summary.json``: ``calls``) is what the executor does. The executor still makes these decisions
-as it runs (issue 24 item 4: compiled once is not built yet).
+answer about the run's workers (how many a role has, which process hosts it), and the executor compiles
+its calls on it with the same rules it follows when it runs (rlpipe.engine.execution.call_plan), so what
+``rlpipe validate`` prints and the run logs to MLflow (``plan_summary.json``: ``physical_plan``) is the list
+the executor walks.
 """
 
 from __future__ import annotations
@@ -42,35 +41,21 @@ class StaticPlacement:
 
 
 def describe_calls(executor, nodes: list[Any]) -> list[dict[str, Any]]:
-    """The calls one run of ``nodes`` makes, in order: ``nodes`` (names), ``where`` (``rollout×1``, ``task``,
-    ``driver`` ...), ``hands_on`` (its last table goes straight to the next call), ``beside`` (starts with the
-    call before it: a concurrent branch)."""
-    calls, i, handed = [], 0, False
-    while i < len(nodes):
-        group, role = executor._fusable(nodes, i)
-        after = i + len(group)
-        beside = not handed and after < len(nodes) and executor._beside(nodes, group, role,
-                                                                         *executor._fusable(nodes, after))
-        chain = role is not None and len(group) > 1
-        hands_on = chain and not beside and executor._hands_on(nodes, i, group)
-        calls.append(_call(executor, group, role, hands_on, False))
-        if beside:
-            second, second_role = executor._fusable(nodes, after)
-            calls.append(_call(executor, second, second_role, False, True))
-            after += len(second)
-        i, handed = after, hands_on
-    return calls
+    """The calls one run of ``nodes`` makes, in order (``executor.calls``): ``nodes`` (names), ``where``
+    (``rollout×1``, ``task``, ``driver`` ...), ``hands_on`` (its last table goes straight to the next call),
+    ``beside`` (starts with the call before it: a concurrent branch)."""
+    return [_call(executor, call) for call in executor.calls(nodes)]
 
 
-def _call(executor, group: list[Any], role: str | None, hands_on: bool, beside: bool) -> dict[str, Any]:
-    if role is not None and len(group) > 1:
+def _call(executor, call) -> dict[str, Any]:
+    if call.worker_chain:
         placement = executor.backend
-        where = f"{'+'.join(placement.hosted_roles(role))}×{placement.group_size(role)}"
-    elif len(group) > 1:
+        where = f"{'+'.join(placement.hosted_roles(call.role))}×{placement.group_size(call.role)}"
+    elif call.task_chain:
         where = "task"
     else:
-        where = executor.where(group[0])
-    return {"nodes": [n.name for n in group], "where": where, "hands_on": hands_on, "beside": beside}
+        where = executor.where(call.nodes[0])
+    return {"nodes": call.names, "where": where, "hands_on": call.hands_on, "beside": call.beside}
 
 
 def format_calls(calls: list[dict[str, Any]]) -> list[str]:

@@ -1,0 +1,157 @@
+"""The calls a run of planned nodes makes, compiled once: the executor follows this list, and ``rlpipe
+validate`` prints it (rlpipe.engine.execution.physical_plan).
+
+A *call* is one round trip from the driver: a worker's chain (the nodes of the roles one worker hosts with
+the task nodes next to them and, last, the driver nodes that say which roles they call), a chain of task
+nodes as one Ray task, or a single node. Two decisions are made here, before anything runs, each a small
+function of the nodes and the placement (no Ray):
+
+* **hand on** — a worker chain gives its last table straight to the next worker chain (worker to worker,
+  not through the driver) when the driver has nothing to do between them (no driver node in it, no mode
+  hook before the next one);
+* **beside** — the next worker chain starts together with the current call when no path of the DAG joins
+  them (rlpipe.engine.execution.branches).
+
+The mode hooks (``StepExecutor.before_role``) are part of the input: a node with a hook starts a call of its
+own, so the hook fires between calls, after the nodes before it are done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from rlpipe.engine.execution.branches import runs_beside
+
+
+class Placement(Protocol):
+    """What the call rules need to know about where the workers are (RayBackend, InlineBackend, or
+    physical_plan.StaticPlacement from the config alone)."""
+
+    def group_size(self, role: str) -> int: ...
+
+    def host(self, role: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class Call:
+    """One remote call of a run: which nodes, where, and how it joins the calls around it."""
+
+    nodes: tuple[Any, ...]
+    """The planned nodes it runs, in plan order (each keeps its own lineage record)."""
+    at: int
+    """Index of its first node in the run's node list."""
+    role: str | None = None
+    """The worker role whose one worker runs the chain; None: a task chain or a single node."""
+    hands_on: bool = False
+    """Its last table goes straight to the next call (a worker chain), started at once."""
+    beside: bool = False
+    """It starts together with the call before it (a concurrent branch), on that call's input."""
+
+    @property
+    def worker_chain(self) -> bool:
+        return self.role is not None and len(self.nodes) > 1
+
+    @property
+    def task_chain(self) -> bool:
+        return self.role is None and len(self.nodes) > 1
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+
+@dataclass(frozen=True)
+class CallRules:
+    """The placement facts and the run's options the rules read."""
+
+    placement: Placement
+    task_stages_in_workers: bool
+    """Task nodes may join a worker's chain (resources.task_stages_in_workers, on a backend that chains)."""
+    chains_tasks: bool
+    """The backend runs consecutive task nodes as one task."""
+    hooked: Callable[[Any], bool]
+    """Whether a mode hook fires before a node."""
+    concurrent_branches: bool = True
+    """Start the next worker chain beside the current call when nothing orders them."""
+
+
+def fusable(nodes: Sequence[Any], i: int, rules: CallRules) -> tuple[list[Any], str | None]:
+    """The nodes from ``nodes[i]`` that run as one call, and the role whose worker runs them (None: a task).
+
+    A worker chain: task nodes and the nodes of the roles one worker hosts (one role, or the roles colocated
+    with it), when it is the only worker of its roles (with more, rows are split by ``dp_rank``, which the task
+    nodes before them may still be writing), and after them the driver nodes that declare the roles they call
+    (a weight push as the trainer's last act). Otherwise the run of task nodes from ``nodes[i]``.
+    ``([nodes[i]], None)`` when nothing fuses. A node with a mode hook starts a call of its own."""
+    placement = rules.placement
+    if rules.task_stages_in_workers:
+        role = host = None
+        j = i
+        while j < len(nodes) and nodes[j].spec.placement in ("task", "worker", "driver"):
+            if j > i and rules.hooked(nodes[j]):
+                break
+            spec = nodes[j].spec
+            if spec.placement == "worker":
+                if host is None and placement.group_size(spec.role) == 1:
+                    role, host = spec.role, placement.host(spec.role)
+                elif host is None or placement.host(spec.role) != host:
+                    break
+            elif spec.placement == "driver" and (host is None or not spec.calls):
+                break  # a driver stage joins a worker's call only after that worker's nodes, and when it says which
+                # roles it calls (the worker reaches them from there)
+            j += 1
+        if role is not None and j - i > 1:
+            return list(nodes[i:j]), role
+    if not rules.chains_tasks:
+        return [nodes[i]], None
+    j = i
+    while j < len(nodes) and nodes[j].spec.placement == "task" and not (j > i and rules.hooked(nodes[j])):
+        j += 1
+    return (list(nodes[i:j]) if j - i > 1 else [nodes[i]]), None
+
+
+def _is_worker_chain(group: list[Any], role: str | None) -> bool:
+    return role is not None and len(group) > 1
+
+
+def beside(nodes: Sequence[Any], group: list[Any], role: str | None, following: list[Any],
+           following_role: str | None, rules: CallRules) -> bool:
+    """Whether the call ``following`` may start together with ``group`` (only a worker chain starts without the
+    driver waiting on it; see rlpipe.engine.execution.branches)."""
+    if not rules.concurrent_branches or not _is_worker_chain(following, following_role):
+        return False
+    worker = next((n for n in group if n.spec.placement == "worker"), None)
+    host = rules.placement.host(role or worker.spec.role) if worker is not None else None
+    return runs_beside(group, host, following, rules.placement.host(following_role), {n.name: n for n in nodes},
+                       rules.hooked)
+
+
+def hands_on(nodes: Sequence[Any], at: int, group: list[Any], rules: CallRules) -> bool:
+    """Whether the worker chain ``group`` at ``nodes[at]`` gives its last table straight to the next call: that
+    call is a worker chain without a mode hook, and nothing the driver does after ``group`` can change what the
+    next one is given (no driver node in ``group``: a weight push bumps the policy version of the contexts)."""
+    after = at + len(group)
+    following, next_role = fusable(nodes, after, rules) if after < len(nodes) else ([], None)
+    return (_is_worker_chain(following, next_role) and not rules.hooked(following[0])
+            and all(n.spec.placement != "driver" for n in group))
+
+
+def compile_calls(nodes: Sequence[Any], rules: CallRules) -> tuple[Call, ...]:
+    """The calls one run of ``nodes`` makes, in order. A call started beside another comes right after it;
+    a chain handed a table is never started beside anything (it already started, on its own input)."""
+    calls: list[Call] = []
+    i, handed = 0, False
+    while i < len(nodes):
+        group, role = fusable(nodes, i, rules)
+        after = i + len(group)
+        pair = fusable(nodes, after, rules) if after < len(nodes) else None
+        starts_beside = not handed and pair is not None and beside(nodes, group, role, *pair, rules)
+        gives = _is_worker_chain(group, role) and not starts_beside and hands_on(nodes, i, group, rules)
+        calls.append(Call(tuple(group), i, role if _is_worker_chain(group, role) else None, gives))
+        if starts_beside:
+            second, second_role = pair
+            calls.append(Call(tuple(second), after, second_role, False, True))
+            after += len(second)
+        i, handed = after, gives
+    return tuple(calls)
