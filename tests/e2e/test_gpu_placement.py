@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent("""
     import ray
     sys.path.insert(0, sys.argv[1])
     from conftest import quickstart_raw
-    from rlpipe.engine.execution.ray_runtime import RayBackend, WorkerGroup
+    from rlpipe.engine.execution.ray_runtime import RayBackend
+    from rlpipe.engine.execution.worker_group import WorkerGroup
     from rlpipe.engine.planning.config_io import validate_config
 
     ray.init(address="local", num_cpus=2, num_gpus=3)  # a Ray of its own, even if another test's runs

@@ -7,10 +7,11 @@ import pytest
 from test_rollout_service import TOK, model, prompts, wait_for
 
 from rlpipe.engine.state.pool_client import PoolClient
-from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams, SharedSampler
+from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams
 from rlpipe.engine.state.reward_pool import RewardPoolState
 from rlpipe.engine.state.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
 from rlpipe.engine.state.rollout_service import RolloutService
+from rlpipe.engine.state.sampler import SharedSampler
 from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.schemas.config import PipelineConfig
 from rlpipe.stage import StageContext
@@ -123,7 +124,7 @@ def test_call_timeout_must_exceed_the_inner_deadlines(tmp_path):
 
 
 def test_a_dead_pool_worker_is_an_infrastructure_failure(ray_session, tmp_path):
-    from rlpipe.engine.execution.ray_runtime import WorkerActor
+    from rlpipe.engine.execution.ray_worker import WorkerActor
 
     config, node = weighted(tmp_path, rule_sleep_s=30.0)
     actor = WorkerActor.remote("reward_model", 0, 1, config.model_dump(mode="json"), None)

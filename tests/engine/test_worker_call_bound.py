@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from rlpipe.engine.execution.ray_runtime import RayBackend, WorkerCallTimeout
+from rlpipe.engine.execution.ray_runtime import RayBackend
+from rlpipe.engine.execution.worker_calls import WorkerCallTimeout
 from rlpipe.engine.planning.config_io import validate_config
 
 from conftest import quickstart_raw

@@ -93,7 +93,7 @@ def test_errors_name_the_file_and_line(tmp_path):
 def test_function_runs_on_a_ray_worker_without_the_file(tmp_path, monkeypatch, ray_session):
     """The driver resolves and reads the file; the worker compiles the shipped source
     (the file is gone and the worker's directory is not the driver's)."""
-    from rlpipe.engine.execution.ray_runtime import run_task_stage
+    from rlpipe.engine.execution.ray_worker import run_task_stage
 
     write(tmp_path, FIVE_LINES)
     monkeypatch.chdir(tmp_path)

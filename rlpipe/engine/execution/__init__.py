@@ -1,1 +1,1 @@
-"""Execution: running planned nodes on Ray (ray_runtime) or in-process (inline), the step executor, Arrow on the wire."""
+"""Execution: the step executor and its compiled calls, the Ray backend (ray_runtime, ray_worker, worker_group, worker_calls) and the in-process one (inline), Arrow on the wire."""

@@ -1,42 +1,36 @@
-"""Ray plumbing: the generic worker actor, worker groups, stage tasks.
+"""The Ray backend of the step executor: starting Ray, the run's worker groups, and the calls the executor
+makes on them (stage tasks, worker chains, stages on every worker of a role).
 
-Every role runs in the same actor class, :class:`WorkerActor`, which builds the
-role's state from the ``worker_role`` registry and runs worker stages against
-it. Stateless stages run as Ray tasks. Arrow tables travel as Ray objects
-(zero-copy out of the object store); torch tensors never cross process lines.
+The pieces live by concern: the worker actor and stage tasks in rlpipe.engine.execution.ray_worker, a role's
+workers in rlpipe.engine.execution.worker_group, the driver's bounded calls to workers in
+rlpipe.engine.execution.worker_calls.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
-import socket
-import threading
-import uuid
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import ray
 
+from rlpipe.deadline import StageTimeout
 from rlpipe.engine import interrupt
 from rlpipe.engine.execution import ray_watchdog
-from rlpipe.deadline import StageTimeout
-from rlpipe.engine.execution.deferred import DeferredCalls
-from rlpipe.engine.execution.ray_errors import actor_error_line, startup_error_line
+from rlpipe.engine.execution.ray_errors import actor_error_line
+from rlpipe.engine.execution.ray_worker import Peers, run_task_chain, run_task_stage
 from rlpipe.engine.execution.wire import register_arrow_ipc
-from rlpipe.engine.execution.worker_start import Demand, check_demand, wait_started
-from rlpipe.engine.files.ship import ShippedDirs, localize
-from rlpipe.jagged import contiguous
-from rlpipe.plugin_files import import_plugin_files
-from rlpipe.engine.stage_call import ChainedStage, ChainStep, run_chain, run_stage, shard_rows
+from rlpipe.engine.execution.worker_calls import RayWorkerCalls, WorkerDied, actor_died
+from rlpipe.engine.execution.worker_group import WorkerGroup
+from rlpipe.engine.execution.worker_start import Demand, check_demand
+from rlpipe.engine.files.ship import ShippedDirs
+from rlpipe.engine.stage_call import ChainedStage, ChainStep, shard_rows
 from rlpipe.engine.state.roles import WORKER_ROLES, worker_processes
-from rlpipe.errors import RlpipeError
-from rlpipe.registry import load_plugins
-from rlpipe.schemas.config import PipelineConfig
-from rlpipe.stage import StageContext, StageResult, stage_registry
+from rlpipe.jagged import contiguous
+from rlpipe.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
 
@@ -69,215 +63,6 @@ def init_ray(address: str | None, num_cpus: int | None) -> None:
     register_arrow_ipc()
 
 
-@ray.remote(num_cpus=1, max_retries=0)
-def run_task_stage(kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
-    """A stateless stage as a Ray task."""
-    register_arrow_ipc()
-    return run_stage(kind, impl, params, batch, ctx)
-
-
-@ray.remote(num_cpus=1, max_retries=0)
-def run_task_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list[StageContext]) -> list[ChainStep]:
-    """Consecutive stateless stages as one Ray task (one round trip and one ``ray.put`` for all).
-
-    Each stage's result is applied here to feed the next; the driver gets every stage's own result
-    (and applies them again: one lineage record per node). The first failure ends the chain."""
-    register_arrow_ipc()
-    task = ray.get_runtime_context().get_task_id()
-    return run_chain(stages, batch, ctxs, f"a Ray task (task id {task}; the stage's thread in it is abandoned)")[0]
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class WorkerActor:
-    """Hosts one worker of one role (or of several colocated roles, resources.colocate: one state per role, the
-    first role's is the default); runs worker stages and role methods."""
-
-    def __init__(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
-                 dist_address: str | None, shipped: ShippedDirs | None = None):
-        roles = (roles,) if isinstance(roles, str) else tuple(roles)
-        self.role = "+".join(roles)
-        self.rank = rank
-        self.local_dirs: dict[str, str] = {}
-        """Model folders this worker reads from its node's cache instead of the driver's path (driver → local)."""
-        self.peers: Peers | None = None
-        """Every role's workers (:meth:`meet_peers`), for driver stages run in this worker's chain calls."""
-        self.states: dict[str, Any] = {}
-        """Per hosted role, its state (only the data-parallel role, listed first, joins the rendezvous); after a
-        failed start, those built (close() releases them: an engine server one of them started)."""
-        self.start_error: Exception | None = None
-        """What the start-up raised; :meth:`ready` raises it. An ``__init__`` that raised would make Ray print the
-        whole traceback on the driver's terminal above the run's own one-line error."""
-        try:
-            self._start(roles, rank, world_size, config, dist_address, shipped)
-        except Exception as exc:  # noqa: BLE001 - every start-up failure is reported the same way, by ready()
-            self.start_error = exc
-
-    def _start(self, roles: tuple[str, ...], rank: int, world_size: int, config: dict, dist_address: str | None,
-               shipped: ShippedDirs | None) -> None:
-        load_plugins()
-        register_arrow_ipc()
-        logging.basicConfig(level=logging.INFO)
-        if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
-            config, self.local_dirs = localize(config, shipped)
-        parsed = PipelineConfig.model_validate(config)
-        import_plugin_files(parsed.plugins)  # its stages (the rollout feeder's) and the parts they name
-        for role in roles:
-            self.states[role] = WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address)
-        self.state = self.states[roles[0]]
-        if len(self.states) > 1:  # colocated states may work with each other in memory
-            for state in self.states.values():
-                if callable(meet := getattr(state, "colocated_with", None)):
-                    meet(self.states)
-
-    def ready(self) -> str:
-        """Where this worker runs (pid and host), for messages that name it; what its start-up raised, if it did."""
-        if self.start_error is not None:
-            raise self.start_error
-        return f"pid {os.getpid()} on {socket.gethostname()}"
-
-    def node(self) -> str:
-        """The id of the Ray node this worker runs on."""
-        return ray.get_runtime_context().get_node_id()
-
-    def model_dirs(self) -> dict[str, str]:
-        """Driver path → the node-local copy this worker loaded instead (empty: it read the driver's paths)."""
-        return dict(self.local_dirs)
-
-    def run_stage(self, kind: str, impl: str, params: dict, batch: pa.Table, ctx: StageContext) -> StageResult:
-        role = stage_registry(kind).get(impl).role
-        return run_stage(kind, impl, params, batch, ctx, self.states.get(role, self.state))
-
-    def meet_peers(self, peers: Peers) -> None:
-        """Every role's workers (once, after start), for the driver stages run in this worker's chain calls."""
-        self.peers = peers
-
-    def run_chain(self, stages: list[ChainedStage], batch: pa.Table | None, ctxs: list[StageContext]) -> list[ChainStep]:
-        """This worker's stages and the task and driver stages next to them in one call (see
-        :meth:`RayBackend.start_worker_chain`). ``batch`` None: the chain that was to make it failed; nothing runs."""
-        return self._chain(stages, batch, ctxs)[0]
-
-    @ray.method(num_returns=2)
-    def run_chain_handing_on(self, stages: list[ChainedStage], batch: pa.Table | None,
-                             ctxs: list[StageContext]) -> tuple[list[ChainStep], pa.Table | None]:
-        """:meth:`run_chain`, and the chain's last table as a second object, which the next worker's chain takes
-        as its input without a stop at the driver (None when a stage failed). ``batch`` None: the chain that
-        was to make it failed; nothing runs."""
-        return self._chain(stages, batch, ctxs)
-
-    def _chain(self, stages: list[ChainedStage], batch: pa.Table | None,
-               ctxs: list[StageContext]) -> tuple[list[ChainStep], pa.Table | None]:
-        if batch is None:  # the chain that was to make it failed
-            return [], None
-        fused = self.peers is not None and any(s.driver for s in stages)
-        workers = PeerCalls(self.states, self.peers) if fused else None
-        return run_chain(stages, batch, ctxs, f"worker {self.role}[{self.rank}] (pid {os.getpid()}; the stage's "
-                         "thread in it is abandoned)", self.states, workers)
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A method of this worker's (first) role's state; what another worker calls through a handle."""
-        return getattr(self.state, method)(*args, **kwargs)
-
-    def call_role(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A method of the state of ``role`` (one of the roles this worker hosts)."""
-        return getattr(self.states[role], method)(*args, **kwargs)
-
-    def close(self) -> None:
-        for state in self.states.values():
-            if callable(close := getattr(state, "close", None)):
-                close()
-
-
-@dataclasses.dataclass(frozen=True)
-class Peers:
-    """What a worker needs to run a driver stage in its own call: every role's workers."""
-
-    roles: dict[str, tuple[str, list[Any], list[str]]]
-    """Per role: the role whose workers host it (resources.colocate), its actors and how messages name them, by
-    rank."""
-    timeout_s: float | None
-    """Bound on every wait for another worker's answer (resources.worker_call_timeout_s)."""
-
-
-class PeerCalls(DeferredCalls):
-    """``ctx.workers`` of a driver stage running inside a worker's chain call: the roles this worker hosts are
-    called in its memory (their results are values), the others through their actors (results are references,
-    resolved here; a deferred one goes back to the driver, which settles it)."""
-
-    def __init__(self, states: dict[str, Any], peers: Peers):
-        self.states = states
-        self.peers = peers
-        self._origin: dict[ray.ObjectRef, tuple[str, int, str]] = {}
-        """Who answers each pending reference (role, rank, method): named when it dies."""
-        super().__init__()
-
-    def _local(self, role: str) -> bool:
-        return role in self.states
-
-    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
-
-    def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        if self._local(role):  # this worker's only rank of the role (a chain runs on a role with one worker)
-            return [getattr(self.states[role], method)(*args, **kwargs)]
-        actors = self.peers.roles[role][1]
-        ranks = range(len(actors)) if rank is None else [rank]
-        if len(ranks) > 1:  # one copy in the object store for all of them (a weight push's buckets), not one each
-            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
-        refs = [actors[r].call_role.remote(role, method, *args, **kwargs) for r in ranks]
-        self._origin.update((ref, (role, r, method)) for ref, r in zip(refs, ranks))
-        return refs
-
-    def resolve(self, futures: list[Any]) -> list[Any]:
-        """The values of ``call_async`` results; another worker that does not answer within the bound, or died, is
-        named as the driver's facade names it (:func:`get_naming_workers`)."""
-        refs = [f for f in futures if isinstance(f, ray.ObjectRef)]
-        try:
-            values = iter(get_naming_workers(refs, self.peers.timeout_s, self._name))
-        finally:
-            for ref in refs:
-                self._origin.pop(ref, None)
-        return [next(values) if isinstance(f, ray.ObjectRef) else f for f in futures]
-
-    def _name(self, ref: ray.ObjectRef) -> tuple[str, str] | None:
-        origin = self._origin.get(ref)
-        return (self.peers.roles[origin[0]][2][origin[1]], origin[2]) if origin else None
-
-    def take_deferred(self) -> list[tuple[list[Any], str, list[tuple[str, int, str] | None]]]:
-        """The calls deferred so far, for the driver to settle, with who answers each (values computed here
-        travel as objects)."""
-        with self._deferred_lock:
-            deferred, self._deferred = self._deferred, []
-        return [([f if isinstance(f, ray.ObjectRef) else ray.put(f) for f in futures], failure,
-                 [self._origin.pop(f, None) if isinstance(f, ray.ObjectRef) else None for f in futures])
-                for futures, failure in deferred]
-
-    def has_role(self, role: str) -> bool:
-        return role in self.peers.roles
-
-    def colocated(self, role: str, other: str) -> bool:
-        """Whether the workers of ``role`` also host ``other`` (as :meth:`RayWorkerCalls.colocated`)."""
-        roles = self.peers.roles
-        return role in roles and other in roles and roles[role][0] == roles[other][0]
-
-    def handle(self, role: str, rank: int = 0) -> Any:
-        return self.peers.roles[role][1][rank]
-
-
-def free_address() -> str:
-    """A free TCP address on this host for a gloo rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _node_address() -> str:
-    """A free TCP address on the node this task runs on (rank 0's node: the gloo rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return f"{ray.util.get_node_ip_address()}:{sock.getsockname()[1]}"
-
-
 @dataclasses.dataclass
 class ChainCall:
     """A worker chain submitted and not yet waited for (:meth:`RayBackend.start_worker_chain`)."""
@@ -289,124 +74,6 @@ class ChainCall:
     """Its steps (list[ChainStep])."""
     table_ref: ray.ObjectRef | None
     """Its last table, for the next chain (None: not handed on)."""
-
-
-class WorkerDied(RlpipeError):
-    """A worker actor died (killed, out of memory, crashed) while the run needed it."""
-
-
-class WorkerCallTimeout(RlpipeError):
-    """Workers did not answer a call of the driver within resources.worker_call_timeout_s."""
-
-
-PLACEMENT_SHARE = 0.001
-"""How much of a node's placement resource (resources.placement) each worker asks for."""
-
-
-class WorkerGroup:
-    """The workers of one role; ``node_resource`` (resources.placement) pins them to the nodes holding it.
-    ``hosted``: every role these workers host (resources.colocate; default just ``role``): the other roles
-    reach the same workers through :meth:`view`."""
-
-    def __init__(self, role: str, size: int, sharded: bool, config: dict, max_concurrency: int = 1,
-                 node_resource: str | None = None, gpus: float = 0, shipped: ShippedDirs | None = None,
-                 hosted: tuple[str, ...] = (), start_timeout_s: float | None = None):
-        self.role = role
-        self.sharded = sharded
-        self.placement_group = None
-        self.start_timeout_s = start_timeout_s
-        """Bound on the workers' start (resources.worker_start_timeout_s; None: unbounded)."""
-        options: list[dict] = [{} for _ in range(size)]
-        address = None
-        if sharded and size > 1:
-            address, options = self._pack(size, node_resource, gpus, start_timeout_s, role)
-        elif node_resource:
-            options = [{"resources": {node_resource: PLACEMENT_SHARE}} for _ in range(size)]
-        for option in options:  # Ray gives each such worker its own GPU (CUDA_VISIBLE_DEVICES)
-            if gpus:
-                option["num_gpus"] = gpus
-        tag = uuid.uuid4().hex[:8]  # named (rlpipe:<role>:<rank>:<tag>) so `ray list actors` shows who is who
-        hosted = hosted or (role,)
-        self.hosted = hosted
-        """Every role these workers host; the first is the role whose group started them."""
-        self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
-                                **options[rank])
-            .remote(hosted, rank, size, config, address, shipped)
-            for rank in range(size)
-        ]
-        self.nodes: list[str] = []
-        """Ray node id of every rank (filled by :meth:`ready`)."""
-        self.where = ["" for _ in self.actors]
-        """Per rank: the worker's pid and host once it is ready."""
-        self.killed: set[int] = set()
-        """Ranks killed by a stage timeout (shutdown does not wait for them to close)."""
-
-    def view(self, role: str, sharded: bool) -> "WorkerGroup":
-        """The same workers as the group of another role they host (resources.colocate): its calls go to that
-        role's state; ranks, readiness and kills are shared."""
-        other = copy.copy(self)
-        other.role, other.sharded = role, sharded
-        return other
-
-    def _pack(self, size: int, node_resource: str | None, gpus: float = 0, timeout_s: float | None = None,
-              role: str = "sharded") -> tuple[str, list[dict]]:
-        """A STRICT_PACK placement group for the DP ranks (one node, optionally the placement resource's; with
-        ``gpus`` per rank) and the gloo rendezvous address on that node."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle = {node_resource: PLACEMENT_SHARE} if node_resource else {"CPU": PLACEMENT_SHARE}
-        if gpus:
-            bundle["GPU"] = gpus
-        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
-        wait_started([self.placement_group.ready()], [f"{role}[0..{size - 1}] (their placement group)"], timeout_s)
-        strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-                      for rank in range(size)]
-        address = ray.get(_node_address.options(scheduling_strategy=strategies[0]).remote())
-        return address, [{"scheduling_strategy": s} for s in strategies]
-
-    @property
-    def size(self) -> int:
-        return len(self.actors)
-
-    @property
-    def host(self) -> str:
-        """The role whose group started these workers (another role's when colocated with it)."""
-        return self.hosted[0]
-
-    def name(self, rank: int) -> str:
-        """``role[rank] (pid N on host)``: how messages name one worker."""
-        where = f" ({self.where[rank]})" if self.where[rank] else ""
-        return f"{self.role}[{rank}]{where}"
-
-    def ready(self) -> None:
-        """Wait until every worker has started (built its model); one that failed to is a WorkerDied naming
-        it and its own exception."""
-        refs = [a.ready.remote() for a in self.actors]
-
-        def started(rank: int, ref: ray.ObjectRef) -> None:  # as each answers: a failed rank fails the start now,
-            try:  # not after its peers' rendezvous times out
-                self.where[rank] = ray.get(ref)  # in place: views share the list
-            except ray.exceptions.RayTaskError as exc:  # its start-up raised (WorkerActor.start_error)
-                raise WorkerDied(f"worker {self.role}[{rank}] failed to start: {startup_error_line(exc)}") from None
-            except ray.exceptions.RayActorError as exc:  # its process died (killed, out of memory)
-                raise WorkerDied(f"worker {self.role}[{rank}] failed to start: {actor_error_line(exc)}") from None
-
-        wait_started(refs, [self.name(rank) for rank in range(self.size)], self.start_timeout_s, started)
-        self.nodes[:] = ray.get([a.node.remote() for a in self.actors])
-
-    def kill(self, rank: int) -> None:
-        """Kill one worker now (a hung one: it cannot run ``close``); its engine server dies with it."""
-        self.killed.add(rank)
-        ray.kill(self.actors[rank])
-
-    def call_async(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[ray.ObjectRef]:
-        actors = self.actors if rank is None else [self.actors[rank]]
-        return [a.call_role.remote(self.role, method, *args, **kwargs) for a in actors]
-
-    def call(self, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return ray.get(self.call_async(method, *args, rank=rank, **kwargs))
 
 
 class RayBackend:
@@ -587,7 +254,7 @@ class RayBackend:
         try:
             return ray.get(refs)
         except ray.exceptions.RayActorError as exc:
-            rank = next((i for i, ref in enumerate(refs) if _died(ref)), None)
+            rank = next((i for i, ref in enumerate(refs) if actor_died(ref)), None)
             who = group.name(rank) if rank is not None else f"a {role} worker"
             raise WorkerDied(f"worker {who} died while running stage {kind}/{impl} at step {ctxs[0].step}: "
                              f"{actor_error_line(exc)}") from None
@@ -595,103 +262,3 @@ class RayBackend:
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         group = self.groups[role]
         return shard_rows(table, group.size, group.sharded, dp_rank_column)
-
-
-def get_naming_workers(refs: list[ray.ObjectRef], timeout_s: float | None,
-                       name: Callable[[ray.ObjectRef], tuple[str, str] | None]) -> list[Any]:
-    """``ray.get(refs)`` within ``timeout_s`` (None: no bound); workers that do not answer are a
-    :class:`WorkerCallTimeout`, a dead one a :class:`WorkerDied`, each named by ``name(ref)``: (worker, method)."""
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        _, late = ray.wait(refs, num_returns=len(refs), timeout=0)
-        who = ", ".join(f"{n[0]}.{n[1]}" if (n := name(ref)) else "a worker" for ref in late)
-        raise WorkerCallTimeout(
-            f"no answer after resources.worker_call_timeout_s={timeout_s:g} s from {who}; if that call is only "
-            "slow, raise it (-o resources.worker_call_timeout_s=SECONDS), otherwise look for what hangs in that "
-            "worker (its log is in Ray's session folder, /tmp/ray/session_latest/logs, by pid)") from None
-    except ray.exceptions.RayActorError as exc:
-        dead = next((ref for ref in refs if _died(ref)), None)
-        named = name(dead) if dead is not None else None
-        who = f"worker {named[0]}" if named else "a worker"
-        raise WorkerDied(f"{who} died: {actor_error_line(exc)} (its log is in Ray's session folder, "
-                         "/tmp/ray/session_latest/logs, by pid)") from None
-
-
-def _died(ref: ray.ObjectRef) -> bool:
-    """Whether ``ref`` is ready and failed because its actor died."""
-    try:
-        ray.get(ref, timeout=0)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:  # noqa: BLE001 - not ready, or another error: not this one
-        return False
-    return False
-
-
-ORIGINS_KEPT = 4096
-"""How many recent worker-call futures remember which worker they went to (to name a dead one)."""
-
-
-class RayWorkerCalls(DeferredCalls):
-    """The ``ctx.workers`` facade of driver stages, backed by the run's worker groups."""
-
-    def __init__(self, groups: dict[str, WorkerGroup], timeout_s: float | None = None):
-        self.groups = groups
-        self.timeout_s = timeout_s
-        """Bound on every :meth:`resolve` (resources.worker_call_timeout_s); None: wait forever."""
-        self._origin: dict[ray.ObjectRef, tuple[str, int, str]] = {}
-        self._origin_lock = threading.Lock()  # the async modes' helper threads call too
-        self.while_waiting: Callable[[], None] = lambda: None
-        """Driver work done before blocking in :meth:`resolve` (set by :meth:`RayBackend.overlap`)."""
-        super().__init__()
-
-    def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
-
-    def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        """Like call, but returns futures that can be passed as arguments to later calls."""
-        refs = self.groups[role].call_async(method, *args, rank=rank, **kwargs)
-        with self._origin_lock:
-            for r, ref in zip(range(self.groups[role].size) if rank is None else [rank], refs):
-                self._origin[ref] = (role, r, method)
-            while len(self._origin) > ORIGINS_KEPT:
-                del self._origin[next(iter(self._origin))]
-        return refs
-
-    def resolve(self, futures: list[Any]) -> list[Any]:
-        """The values of ``call_async`` results (blocks until they are ready); a dead worker is a
-        :class:`WorkerDied` naming it (role, rank, pid)."""
-        futures = list(futures)
-        self.while_waiting()
-        try:
-            return get_naming_workers(futures, self.timeout_s, self._name)
-        finally:
-            with self._origin_lock:
-                for ref in futures:
-                    self._origin.pop(ref, None)
-
-    def _name(self, ref: ray.ObjectRef) -> tuple[str, str] | None:
-        with self._origin_lock:
-            origin = self._origin.get(ref)
-        return (self.groups[origin[0]].name(origin[1]), origin[2]) if origin else None
-
-    def defer(self, futures: list[Any], failure: str, origins: list[tuple[str, int, str] | None] | None = None) -> None:
-        """As :meth:`DeferredCalls.defer`; ``origins``: who answers each future (role, rank, method), when another
-        worker made the call (a driver stage in its chain), so that a dead one is named."""
-        with self._origin_lock:
-            for ref, origin in zip(futures, origins or []):
-                if origin is not None:
-                    self._origin[ref] = origin
-        super().defer(futures, failure)
-
-    def has_role(self, role: str) -> bool:
-        return role in self.groups
-
-    def colocated(self, role: str, other: str) -> bool:
-        """Whether the workers of ``role`` also host ``other`` (resources.colocate), rank for rank."""
-        return role in self.groups and other in self.groups and self.groups[role].host == self.groups[other].host
-
-    def handle(self, role: str, rank: int = 0) -> Any:
-        """The actor of one worker, to pass to another worker (which calls it through ``call.remote``)."""
-        return self.groups[role].actors[rank]

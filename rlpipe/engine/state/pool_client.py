@@ -18,7 +18,7 @@ judge costs a bounded wait and some failed rows, never a stalled rollout. A stag
 that hook fails the feeder instead (a :class:`~rlpipe.errors.StageError` past the node's
 ``timeout_s``). An error the stage itself raised (bad params, a bug) is re-raised.
 
-The workers are Ray actor handles (:class:`~rlpipe.engine.execution.ray_runtime.WorkerActor`)
+The workers are Ray actor handles (:class:`~rlpipe.engine.execution.ray_worker.WorkerActor`)
 or, in-process, the role's state objects (each call on a thread of this client: tests).
 A call past its deadline is abandoned, not cancelled: the worker finishes it and drops the
 answer (Ray cannot interrupt a running actor method), so a worker that hangs for good keeps

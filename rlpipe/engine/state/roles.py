@@ -4,7 +4,7 @@ A role (``actor``, ``rollout``, ``ref``, ``critic`` ...) is registered in the
 ``worker_role`` registry with a builder and whether it is data-parallel
 (*sharded*: each worker gets the rows whose ``dp_rank`` is its rank) or
 replicated (rows split evenly across replicas). The Ray actor that hosts a
-role is generic (:mod:`rlpipe.engine.execution.ray_runtime`); this module is Ray-free so
+role is generic (:mod:`rlpipe.engine.execution.ray_worker`); this module is Ray-free so
 the same states run inline in tests and benchmarks.
 """
 
