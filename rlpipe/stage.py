@@ -83,6 +83,9 @@ class StageResult:
     counts: frozenset[str] = frozenset()
     """Names in ``metrics`` that count rows or events: a worker stage's per-worker values are summed,
     not averaged (e.g. ``reward/infra_failures`` over the reward pool's workers)."""
+    policy_version: int | None = None
+    """The policy version a weight push made current (a stage playing the step role ``pushes_weights``); the
+    contexts of the nodes after it carry it. None from such a stage: the engine asks the trainer."""
 
 
 @dataclass

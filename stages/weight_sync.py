@@ -129,7 +129,8 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     metrics = {"weight_sync/version": float(version)}
     if ctx.extras.get("defer_weight_push"):
         workers.defer(pushed, f"weight sync failed at boundary {replicas} (push of version {version})")
-        return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0})
+        return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0},
+                           policy_version=int(version))
     stats = _boundary(replicas, lambda: workers.resolve(pushed))
     return _push_result(stats, version, t0, replica_kwargs)
 
@@ -139,7 +140,7 @@ def _push_result(stats: list[dict], version: float, t0: float, replica_kwargs: d
     if "full_every" in replica_kwargs:
         metrics["weight_sync/delta_buckets"] = float(stats[0]["delta_buckets"])
         metrics["weight_sync/full_push"] = float(is_full_push(int(version), replica_kwargs["full_every"]))
-    return StageResult(metrics=metrics)
+    return StageResult(metrics=metrics, policy_version=int(version))
 
 
 @stage("weight_sync", "object_store", placement="driver", params=WeightSyncParams, reads={}, writes={},
@@ -179,9 +180,10 @@ def broadcast_weights(batch, params: BroadcastSyncParams, ctx) -> StageResult:
     metrics = {"weight_sync/version": float(version)}
     if ctx.extras.get("defer_weight_push"):
         workers.defer(sent + received, f"weight sync failed at boundary {stage} (push of version {version})")
-        return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0})
+        return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0},
+                           policy_version=int(version))
     stats = _boundary(stage, lambda: workers.resolve(received))
     send = _boundary("2 (transport: broadcast from trainer rank 0)", lambda: workers.resolve(sent))[0]
     metrics.update(_push_metrics(stats, time.perf_counter() - t0))
     metrics.update({"weight_sync/send_s": send["send_s"], "weight_sync/join_s": send["join_s"]})
-    return StageResult(metrics=metrics)
+    return StageResult(metrics=metrics, policy_version=int(version))

@@ -35,6 +35,8 @@ def push(workers, step=0):
     spec = stage_registry("weight_sync").get("object_store")
     result = spec.fn(pa.table({"uid": ["a"]}), spec.params_model(), StageContext(step=step, seed=0, workers=workers))
     assert result.columns == {} and result.table is None and result.keep is None  # orchestration only
+    # the version it made current travels as a field (the engine's contexts take it), and as a metric for people
+    assert result.policy_version == result.metrics["weight_sync/version"] == workers.call("actor", "get_version")[0]
     return result.metrics
 
 

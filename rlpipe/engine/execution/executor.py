@@ -61,12 +61,9 @@ class StepExecutor(StepRecords):
         """The next step's first worker chain, started by ``run(..., then=...)``: its step, input, nodes, extras."""
         self._calls: dict[tuple, tuple[Call, ...]] = {}
         """The compiled calls per node list and set of hooked step roles (:meth:`calls`)."""
-        overlap = getattr(backend, "overlap", None)
-        self._records_overlap = callable(overlap)
+        self._records_overlap = backend.overlap(self._write_backlog_while_waiting)
         """On a backend whose stages run elsewhere (Ray) a node's record (fingerprints: ~0.5 ms a node) is written
         while the driver waits on the next call; in-process, at once. Either way before ``run`` returns."""
-        if self._records_overlap:
-            overlap(self._write_backlog_while_waiting)
 
     @property
     def dp_size(self) -> int:
@@ -80,8 +77,8 @@ class StepExecutor(StepRecords):
         compiled = self._calls.get(key)
         if compiled is None:
             backend = self.backend
-            rules = CallRules(backend, bool(getattr(backend, "task_stages_in_workers", False)),
-                              hasattr(backend, "run_task_chain"), self._hooked, self.concurrent_branches)
+            rules = CallRules(backend, backend.task_stages_in_workers, backend.chains_tasks, self._hooked,
+                              self.concurrent_branches)
             compiled = self._calls[key] = compile_calls(nodes, rules)
         return compiled
 

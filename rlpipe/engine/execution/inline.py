@@ -64,6 +64,9 @@ class InlineBackend:
 
     shared_filesystem = True
     """One process: the workers see the driver's files."""
+    task_stages_in_workers = False
+    """No worker chains: every node is a call of its own (a call costs nothing here)."""
+    chains_tasks = False
 
     def __init__(self, config: PipelineConfig, roles: set[str]):
         self.sharded: dict[str, bool] = {}
@@ -80,6 +83,27 @@ class InlineBackend:
 
     def group_size(self, role: str) -> int:
         return len(self.states.get(role, [None]))
+
+    def host(self, role: str) -> str:
+        return role
+
+    def hosted_roles(self, role: str) -> tuple[str, ...]:
+        return (role,)
+
+    def group_nodes(self, role: str) -> list[str]:
+        return []
+
+    def overlap(self, work) -> bool:
+        """Never waits on anything: the executor writes each record at once."""
+        return False
+
+    def run_task_chain(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("the inline backend runs no chains (chains_tasks is False)")
+
+    def start_worker_chain(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("the inline backend runs no chains (task_stages_in_workers is False)")
+
+    finish_worker_chain = start_worker_chain
 
     def run_task(self, kind: str, impl: str, params: dict, table: pa.Table, ctx: StageContext,
                  timeout_s: float | None = None) -> StageResult:

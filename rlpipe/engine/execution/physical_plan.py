@@ -20,6 +20,7 @@ class StaticPlacement:
 
     shared_filesystem = True
     workers = None
+    chains_tasks = True
 
     def __init__(self, config, roles: set[str]):
         self.task_stages_in_workers = config.resources.task_stages_in_workers
@@ -36,8 +37,11 @@ class StaticPlacement:
     def hosted_roles(self, role: str) -> tuple[str, ...]:
         return self._hosted.get(role, (role,))
 
-    def run_task_chain(self, *args: Any, **kwargs: Any):  # the executor fuses task nodes where a backend has it
-        raise NotImplementedError("a static placement runs nothing")
+    def group_nodes(self, role: str) -> list[str]:
+        return []
+
+    def overlap(self, work) -> bool:
+        return False
 
 
 def describe_calls(executor, nodes: list[Any]) -> list[dict[str, Any]]:

@@ -87,10 +87,14 @@ class RayBackend:
         """Task stages next to a single worker's stages run in that worker's call (resources.task_stages_in_workers)."""
         self.workers = RayWorkerCalls(groups, call_timeout_s)
 
-    def overlap(self, work: Callable[[], None]) -> None:
+    chains_tasks = True
+    """Consecutive task stages run as one Ray task."""
+
+    def overlap(self, work: Callable[[], None]) -> bool:
         """Call ``work()`` each time the driver waits on a remote call (stage calls and the workers facade's
         ``resolve``): the executor's lineage records of the nodes before are written while this one runs."""
         self.workers.while_waiting = work
+        return True
 
     @classmethod
     def start(cls, config, roles: set[str], shipped: ShippedDirs | None = None) -> "RayBackend":

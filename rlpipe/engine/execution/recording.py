@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlpipe.deadline import StageTimeout
+from rlpipe.engine.execution.backend import Backend
 from rlpipe.engine.planning.plan import PlannedNode
 from rlpipe.engine.stage_call import ChainStep, apply_result, merge_results
 from rlpipe.engine.tracking.lineage import LazyFingerprint, execution_fields
@@ -52,7 +53,7 @@ class StepRecords:
 
     observer: Observer
     run_id: str
-    backend: object
+    backend: Backend
     policy_version: int
     carry: dict[str, dict]
     record_batches_every: int
@@ -139,9 +140,9 @@ class StepRecords:
         spec = node.spec
         if spec.placement != "worker":
             return spec.placement
-        roles = getattr(self.backend, "hosted_roles", lambda role: (role,))(spec.role)
+        roles = self.backend.hosted_roles(spec.role)
         where = f"{'+'.join(roles)}×{self.backend.group_size(spec.role)}"
-        nodes = getattr(self.backend, "group_nodes", lambda role: [])(spec.role)
+        nodes = self.backend.group_nodes(spec.role)
         return f"{where}@{','.join(sorted(set(nodes)))}" if nodes else where
 
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
@@ -201,9 +202,8 @@ class StepRecords:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.step_role == "pushes_weights":
-            # the push reports the version it bumped to; ask the trainer only when an impl does not
-            pushed = result.metrics.get("weight_sync/version")
-            self.policy_version = int(pushed) if pushed is not None else int(
+            # the push says the version it made current; ask the trainer only when an impl does not
+            self.policy_version = result.policy_version if result.policy_version is not None else int(
                 self.backend.workers.call("actor", "get_version", rank=0)[0])
         metrics = dict(result.metrics)
         metrics[f"timing/{node.name}_s"] = duration
