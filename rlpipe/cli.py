@@ -203,7 +203,7 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
     from rlpipe.backends.model import build_model, save_hf_model
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.engine.planning.config_io import load_pipeline
-    from rlpipe.inference.vllm_engine import with_context_length
+    from rlpipe.inference.vllm_build import with_context_length
     from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
 
     config, _ = load_pipeline(path, overrides)

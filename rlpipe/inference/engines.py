@@ -56,7 +56,7 @@ def _embedded(inputs: EngineInputs) -> RolloutEngine:
 
 ROLLOUT_ENGINES.add("embedded", EngineSpec(_embedded))
 def _vllm(inputs: EngineInputs) -> RolloutEngine:
-    from rlpipe.inference.vllm_engine import build_vllm_engine
+    from rlpipe.inference.vllm_build import build_vllm_engine
 
     return build_vllm_engine(inputs.model, inputs.tokenizer, inputs.params.server, inputs.rank, inputs.workdir)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
-from rlpipe.engine.state.replay_buffer import SharedSampler
+from rlpipe.engine.state.sampler import SharedSampler
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.modes.base import Mode

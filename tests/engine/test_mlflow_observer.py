@@ -16,7 +16,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from rlpipe.engine.tracking import runs, traces  # noqa: E402
 from rlpipe.engine.tracking.lineage import LINEAGE_SCHEMA, fingerprint, params_hash, trajectory_lineage  # noqa: E402
-from rlpipe.engine.tracking.mlflow_observer import MLflowObserver, TrackingError  # noqa: E402
+from rlpipe.engine.tracking.mlflow_experiment import TrackingError  # noqa: E402
+from rlpipe.engine.tracking.mlflow_observer import MLflowObserver  # noqa: E402
 from rlpipe.engine.tracking.observer import NodeRecord  # noqa: E402
 from rlpipe.schemas.config import TrackingConfig  # noqa: E402
 

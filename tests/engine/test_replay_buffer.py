@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferError, ReplayBufferParams
+from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams
+from rlpipe.engine.state.replay_records import ReplayBufferError
 from rlpipe.registry import registry
 from rlpipe.stage import StageContext
 from rlpipe.stages.staleness_guard import StalenessGuardParams, staleness_guard

@@ -12,9 +12,10 @@ from test_rollout_service import TOK, model, prompts, wait_for
 
 from rlpipe.inference.embedded import EmbeddedEngine
 from rlpipe.engine.tracking.lineage import fingerprint
-from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams, SharedSampler
+from rlpipe.engine.state.replay_buffer import ReplayBuffer, ReplayBufferParams
 from rlpipe.engine.state.rollout_feeder import HeadStage, RolloutFeeder, SamplerClient
 from rlpipe.engine.state.rollout_service import RolloutService
+from rlpipe.engine.state.sampler import SharedSampler
 from rlpipe.errors import StageError
 from rlpipe.stage import StageContext
 

@@ -19,8 +19,8 @@ from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import export_buckets
 from rlpipe.inference.contract import EngineError, GenerationRequest, SamplingParams
-from rlpipe.inference.vllm_engine import VLLMParams, build_vllm_engine
-from rlpipe.inference.vllm_server import vllm_python
+from rlpipe.inference.vllm_build import build_vllm_engine
+from rlpipe.inference.vllm_server import VLLMParams, vllm_python
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
 

@@ -44,10 +44,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-import threading
-import time
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -55,9 +52,20 @@ import pyarrow.compute as pc
 import torch
 from pydantic import Field
 
+from rlpipe.engine.state.replay_records import (
+    FINISHED,
+    PENDING,
+    RUNNING,
+    ReplayBufferError,
+    _concat,
+    _Prompt,
+    _require,
+    _split_by_uid,
+    _strings,
+    _Window,
+)
 from rlpipe.engine.tracking.lineage import trajectory_lineage
 from rlpipe.jagged import contiguous
-from rlpipe.errors import RlpipeError
 from rlpipe.registry import registry
 from rlpipe.schemas import batch as B
 from rlpipe.stage import StageParams
@@ -65,13 +73,8 @@ from rlpipe.stages.algos.dapo import classify_groups
 
 log = logging.getLogger(__name__)
 
-PENDING, RUNNING, FINISHED = "pending", "running", "finished"
 _STATE_COL, _SEQ_COL = "buffer_state", "buffer_seq"
 _EMPTY_PROMPTS = pa.schema([pa.field(c, B.column_type(c)) for c in B.PROMPT_COLUMNS])
-
-
-class ReplayBufferError(RlpipeError):
-    """The replay buffer was used against its contract (duplicate uids, overfull groups, ...)."""
 
 
 class ReplayBufferParams(StageParams):
@@ -94,48 +97,6 @@ class ReplayBufferParams(StageParams):
     capacity_steps: int = Field(2, ge=1)
     """Prompts kept in the system (pending + running + ready) = capacity_steps × groups_per_step.
     Under wait, admission additionally keeps the staleness schedule (at most threshold steps' worth)."""
-
-
-@dataclass
-class _Prompt:
-    uid: str
-    row: pa.Table
-    """The one-row prompt table (its prompt_step is the submit step)."""
-    submit_step: int
-    seq: int
-    """Submission order: ties on submit_step go oldest first."""
-    state: str = PENDING
-    chunks: list[pa.Table] = field(default_factory=list)
-    returned: int = 0
-
-
-@dataclass
-class _Window:
-    """Events between two returned batches (reported with the later one)."""
-
-    evicted_stale: int = 0
-    evicted_dapo: int = 0
-    evicted_failed: int = 0
-    blocked: int = 0
-    not_ready: int = 0
-    late_rows: int = 0
-    aborted_rows: int = 0
-
-
-class Sampler(Protocol):
-    """What an async mode needs from a sampler; register an implementation under kind ``sampler``."""
-
-    Params: type[StageParams]
-
-    def add_prompts(self, prompts: pa.Table, submit_step: int) -> None: ...
-    def next_pending(self, k: int) -> pa.Table: ...
-    def add_trajectories(self, table: pa.Table) -> int: ...
-    def sample(self, num_groups: int, consuming_step: int) -> pa.Table | None: ...
-    def refill_needed(self, submit_step: int | None = None) -> int: ...
-    def requeue(self, uids: list[str]) -> None: ...
-    def state(self) -> dict[str, Any]: ...
-    def load_state(self, state: dict[str, Any]) -> None: ...
-    def metrics(self, consuming_step: int | None = None) -> dict[str, float]: ...
 
 
 @registry("sampler").register("replay_buffer")
@@ -469,87 +430,3 @@ class ReplayBuffer:
             else:
                 heapq.heappush(self._heap, (p.submit_step, p.seq, uid))
             self._prompts[uid] = p
-
-
-class SharedSampler:
-    """A sampler shared by threads — the driver and the rollout feeders storing groups (separate_async).
-
-    Every method of the wrapped sampler runs under one lock (samplers need not be
-    thread-safe), and every call wakes :meth:`sample_wait`, which blocks until a
-    batch can be served instead of having the driver poll.
-    """
-
-    def __init__(self, sampler: Any):
-        self.sampler = sampler
-        self._cond = threading.Condition()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.sampler, name)
-        if not callable(attr):
-            return attr
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with self._cond:
-                try:
-                    return attr(*args, **kwargs)
-                finally:
-                    self._cond.notify_all()
-
-        return locked
-
-    def exchange(self, trajectories: pa.Table | None, max_prompts: int, wait_s: float = 0.0) -> tuple[int, pa.Table]:
-        """A rollout replica's one round trip: store its finished samples, take up to ``max_prompts``
-        pending prompts; returns (groups completed, prompts). With ``wait_s`` > 0 and room for prompts, waits up
-        to that long for prompts to arrive (an idle replica's long poll: it wakes when the driver adds prompts
-        instead of asking again every few milliseconds, each ask a round trip on the shared cores)."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            try:
-                completed = self.sampler.add_trajectories(trajectories) if trajectories is not None else 0
-                prompts = self.sampler.next_pending(max_prompts)
-                while not prompts.num_rows and max_prompts > 0 and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)  # every call on the buffer notifies: re-check
-                    prompts = self.sampler.next_pending(max_prompts)
-                return completed, prompts
-            finally:
-                self._cond.notify_all()
-
-    def sample_wait(self, num_groups: int, consuming_step: int, timeout: float) -> pa.Table | None:
-        """``sample``, retried whenever another call changed the buffer, for up to ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                batch = self.sampler.sample(num_groups, consuming_step)
-                left = deadline - time.monotonic()
-                if batch is not None or left <= 0:
-                    return batch
-                self._cond.wait(left)
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _strings(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    return np.asarray(col.to_numpy(zero_copy_only=False), dtype=object)
-
-
-def _require(table: pa.Table, names: tuple[str, ...], what: str) -> None:
-    missing = [n for n in names if n not in table.column_names]
-    if missing:
-        raise ReplayBufferError(f"{what} lack columns {missing}; the replay buffer needs {list(names)}")
-
-
-def _concat(tables: list[pa.Table], what: str) -> pa.Table:
-    try:
-        return pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise ReplayBufferError(f"{what} of different schemas cannot be stored together: {exc}") from exc
-
-
-def _split_by_uid(table: pa.Table) -> list[tuple[str, pa.Table]]:
-    """(uid, rows of that uid) per distinct uid, rows in their original order (one take, then slices)."""
-    keys, inverse = np.unique(_strings(table[B.UID]).astype(str), return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    ordered = table.take(pa.array(order))
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(inverse, minlength=len(keys)))])
-    return [(str(k), ordered.slice(int(bounds[i]), int(bounds[i + 1] - bounds[i]))) for i, k in enumerate(keys)]

@@ -46,7 +46,8 @@ flight; the whole-run files are written once, at the end.
 
 Tracking trouble never stops training: after the run has started, MLflow or I/O
 errors are logged as warnings and kept in :attr:`MLflowObserver.failures`. Only
-:meth:`~MLflowObserver.on_run_start` raises (:class:`TrackingError`), because a
+:meth:`~MLflowObserver.on_run_start` raises
+(:class:`~rlpipe.engine.tracking.mlflow_experiment.TrackingError`), because a
 run that cannot be tracked at all should not start silently.
 
 Resuming: ``MLflowObserver(..., resume_run_id=id)`` continues an existing parent
@@ -73,7 +74,6 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is im
 
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.utils.validation import (  # noqa: E402
@@ -82,8 +82,10 @@ from mlflow.utils.validation import (  # noqa: E402
     MAX_TAG_VAL_LENGTH,
 )
 
-from rlpipe.engine.tracking import figures, runs, traces, ui_tables  # noqa: E402
-from rlpipe.engine.tracking.lineage import params_json, records_to_table, table_to_records  # noqa: E402
+from rlpipe.engine.tracking import runs, traces, ui_tables  # noqa: E402
+from rlpipe.engine.tracking.lineage import table_to_records  # noqa: E402
+from rlpipe.engine.tracking.mlflow_artifacts import ArtifactWriter  # noqa: E402
+from rlpipe.engine.tracking.mlflow_experiment import TrackingError, open_experiment, summary_tags  # noqa: E402
 from rlpipe.engine.tracking.mlflow_names import chunks as _chunks  # noqa: E402
 from rlpipe.engine.tracking.mlflow_names import flatten as _flatten  # noqa: E402
 from rlpipe.engine.tracking.mlflow_names import key as _key  # noqa: E402
@@ -96,16 +98,9 @@ log = logging.getLogger(__name__)
 _STATUSES = ("FINISHED", "FAILED", "KILLED")
 PIPELINE_RUN = ""
 """The key of the pipeline run's own buffered metrics among the node runs' (no node has an empty name)."""
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-"""The experiment kind MLflow 3's UI opens on its training runs (not on the GenAI overview)."""
 
 
-class TrackingError(RlpipeError):
-    """MLflow tracking cannot start."""
-
-
-class MLflowObserver:
+class MLflowObserver(ArtifactWriter):
     """An :class:`rlpipe.engine.tracking.observer.Observer` that writes to MLflow (layout in the module docstring)."""
 
     def __init__(self, tracking: TrackingConfig, run_name: str, *, resume_run_id: str | None = None,
@@ -149,13 +144,13 @@ class MLflowObserver:
         with self._lock:
             try:
                 self.client = MlflowClient(tracking_uri=self.tracking_uri)
-                self.experiment_id = self._experiment()
+                self.experiment_id = open_experiment(self.client, self.tracking.experiment, self.tracking_uri)
                 if self.resume_run_id:
                     self._resume(self.resume_run_id)
                     for k, v in self.tags.items():
                         self.client.set_tag(self.run_id, k, v)
                 else:
-                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **self._summary_tags(plan_summary), **self.tags}
+                    tags = {runs.ROLE_TAG: runs.ROLE_PIPELINE, **summary_tags(plan_summary), **self.tags}
                     run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
                     self.run_id = run.info.run_id
                     params = [Param(_key(k), v) for k, v in _flatten(config).items()]
@@ -215,22 +210,6 @@ class MLflowObserver:
                 self._figures_drawn = time.monotonic()
                 self._guard("drawing the figures and tables", self._write_views)
 
-    def _write_trajectory_parts(self, table: pa.Table) -> None:
-        """The consumed trajectories of ``table``'s consuming steps (their versions and prompt step), one
-        part per step under ``lineage/trajectories/`` (a step written again replaces its part)."""
-        steps = pc.unique(table.column("consumed_step")).to_pylist()
-        for step in steps:
-            part = table if len(steps) == 1 else table.filter(pc.equal(table.column("consumed_step"), step))
-            self._log_parquet(part, runs.TRAJECTORY_LINEAGE_STEPS_DIR, f"step_{step:06d}.parquet")
-
-    def _log_parquet(self, table: pa.Table, artifact_dir: str, name: str) -> None:
-        folder = self._tmp / artifact_dir
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / name
-        pq.write_table(table, path)
-        self.client.log_artifact(self.run_id, str(path), artifact_dir)
-        path.unlink()
-
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """Log a file (to ``<artifact_path>/<name>``) or a directory (its contents to ``artifact_path``, default its name).
 
@@ -248,19 +227,6 @@ class MLflowObserver:
                 return
             self._guard(f"recording the input of {node!r} at step {step}", self._log_node_input, step, node, table,
                         context)
-
-    def _log_node_input(self, step: int, node: str, table: pa.Table, context: dict[str, Any]) -> None:
-        folder = self._tmp / "batches"
-        folder.mkdir(exist_ok=True)
-        name = _key(node).replace("/", "_")
-        dest = f"{runs.BATCHES_DIR}/step_{step:06d}"
-        parquet, context_file = folder / f"{name}.parquet", folder / f"{name}.json"
-        # non-compliant nesting keeps list children named "item": the batch reads back with its exact types
-        pq.write_table(table, parquet, use_compliant_nested_type=False)
-        context_file.write_text(params_json(context))
-        for path in (parquet, context_file):
-            self.client.log_artifact(self.run_id, str(path), dest)
-            path.unlink()
 
     def on_run_end(self, status: str, error: str | None = None) -> None:
         with self._lock:
@@ -287,47 +253,6 @@ class MLflowObserver:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- run start -----------------------------------------------------------------------------
-
-    def _experiment(self) -> str:
-        name = self.tracking.experiment
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            if exp.lifecycle_stage == "deleted":
-                raise TrackingError(
-                    f"MLflow experiment {name!r} at {self.tracking_uri} is deleted; restore it "
-                    f"(`mlflow experiments restore`) or set tracking.experiment to another name"
-                )
-            if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment without a kind opens on the GenAI overview
-                self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=self._artifact_location(name),
-                                                 tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-        except Exception:
-            exp = self.client.get_experiment_by_name(name)  # another process created it meanwhile
-            if exp is None:
-                raise
-            return exp.experiment_id
-
-    def _artifact_location(self, experiment: str) -> str | None:
-        """Artifacts of a local sqlite store live next to the database, wherever the run was started from."""
-        if not self.tracking_uri.startswith("sqlite:///"):
-            return None  # servers and other stores: their own default
-        db = Path(self.tracking_uri[len("sqlite:///") :]).expanduser().resolve()
-        return str(db.parent / "mlruns" / _key(experiment).replace("/", "_"))
-
-    def _summary_tags(self, summary: dict[str, Any]) -> dict[str, str]:
-        tags: dict[str, str] = {}
-        for k, v in summary.items():
-            if isinstance(v, (str, int, float, bool)) or v is None:
-                tags[_key(f"rlpipe.{k}")] = str(v)[:MAX_TAG_VAL_LENGTH]
-            elif isinstance(v, list) and v and all(isinstance(x, dict) and "name" in x for x in v):
-                tags[_key(f"rlpipe.{k}")] = ",".join(str(x["name"]) for x in v)[:MAX_TAG_VAL_LENGTH]
-            else:
-                text = json.dumps(v, sort_keys=True, default=str)
-                if len(text) <= 500:  # larger structures live in plan_summary.json only
-                    tags[_key(f"rlpipe.{k}")] = text
-        return tags
 
     def _resume(self, run_id: str) -> None:
         run = self.client.get_run(run_id)
@@ -466,21 +391,6 @@ class MLflowObserver:
         ts = int(time.time() * 1000)
         self._node_metrics.setdefault(PIPELINE_RUN, []).extend([k, v, ts, step] for k, v in values.items())
 
-    def _log_trajectories(self, step: int, trajectories: Any) -> None:
-        if isinstance(trajectories, pa.RecordBatch):
-            trajectories = pa.Table.from_batches([trajectories])
-        elif not isinstance(trajectories, pa.Table):
-            trajectories = pa.Table.from_pandas(trajectories, preserve_index=False)
-        table = trajectories.slice(0, self.tracking.sample_trajectories)
-        folder = self._tmp / runs.TRAJECTORIES_DIR
-        folder.mkdir(exist_ok=True)
-        path = folder / f"step_{step:06d}.parquet"
-        pq.write_table(table, path)
-        self.client.log_artifact(self.run_id, str(path), runs.TRAJECTORIES_DIR)
-        path.unlink()
-        self._trajectory_rows.extend(ui_tables.trajectory_rows(step, table))
-        del self._trajectory_rows[: -ui_tables.MAX_TRAJECTORY_ROWS]
-
     def _queue_trace(self, step: int, error: str) -> None:
         """Log ``step``'s trace with the next metrics flush (several steps' spans in one store call)."""
         if step in self._traced or not self._records.get(step):
@@ -493,51 +403,6 @@ class MLflowObserver:
         built = [traces.build_step_trace(self.experiment_id, self.run_id, step, self._records[step].values(), error)
                  for step, error in queued if self._records.get(step)]
         traces.write_traces(self.client, self.experiment_id, [b for b in built if b is not None])
-
-    def _write_views(self) -> None:
-        """Figures (figures/*.png) and the browsable tables (tables/*.json) from what the run has so far."""
-        records = [r for step in sorted(self._records) for r in self._records[step].values()]
-        folder = self._tmp / "tables"
-        folder.mkdir(exist_ok=True)
-        if self._trajectory_rows:
-            ui_tables.write_table(self.client, self.run_id, self._trajectory_rows, ui_tables.TRAJECTORIES_TABLE, folder)
-        if records:
-            ui_tables.write_table(self.client, self.run_id, ui_tables.lineage_rows(records), ui_tables.LINEAGE_TABLE,
-                                  folder)
-        lineage = pa.concat_tables(self._trajectory_lineage) if self._trajectory_lineage else None
-        by_step = {step: list(recs.values()) for step, recs in self._records.items()}
-        figures.log_figures(self.client, self.run_id, self._rewards, by_step, lineage)
-
-    def _step_records(self, step: int) -> list[NodeRecord]:
-        return sorted(self._records.get(step, {}).values(), key=lambda r: r.start_time)
-
-    def _write_lineage_parts(self) -> None:
-        """A part per step that got records since the last write (``lineage/steps/``)."""
-        for step in sorted(self._dirty_steps):
-            if self._records.get(step):
-                self._log_parquet(records_to_table(self._step_records(step)), runs.LINEAGE_STEPS_DIR,
-                                  f"step_{step:06d}.parquet")
-            self._dirty_steps.discard(step)
-
-    def _write_whole_lineage(self) -> None:
-        """``lineage/lineage.parquet`` and ``lineage/trajectories.parquet``: the whole run in one file each."""
-        records = [r for step in sorted(self._records) for r in self._step_records(step)]
-        if records:
-            self._log_parquet(records_to_table(records), "lineage", "lineage.parquet")
-        if self._trajectory_lineage:
-            self._log_parquet(pa.concat_tables(self._trajectory_lineage), "lineage", "trajectories.parquet")
-
-    def _log_artifact(self, local: Path, artifact_path: str | None) -> None:
-        if not local.exists():
-            raise FileNotFoundError(f"{local} does not exist")
-        if local.is_dir():
-            dest = artifact_path or local.name
-            self.client.log_artifacts(self.run_id, str(local), dest)
-        else:
-            dest = f"{artifact_path.rstrip('/')}/{local.name}" if artifact_path else local.name
-            self.client.log_artifact(self.run_id, str(local), artifact_path)
-        uri = f"{self._artifact_uri}/{dest}"
-        self.client.set_tag(self.run_id, _key(f"rlpipe.artifact.{dest}"), uri)
 
     def _log_error(self, error: str) -> None:
         self.client.set_tag(self.run_id, "rlpipe.error", error[:MAX_TAG_VAL_LENGTH])
