@@ -89,7 +89,10 @@ class Runtime:
                 self.workers.call(role, "load_weights", buckets, 0)
 
     def end_step(self, step: int, table: pa.Table, metrics: dict[str, float]) -> None:
-        """Headline metrics, sampled trajectories, periodic model saves."""
+        """Headline metrics, sampled trajectories, periodic model saves. The step's node records come first: a
+        mode that started the next step's run before ending this one left them pending (executor.finish), and they
+        are written while that run's first call works."""
+        self.executor.write_backlog()
         headline = {**metrics, **self._reward_headline(step, table)}
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version

@@ -126,12 +126,14 @@ class SeparateAsyncMode(AsyncMode):
         self.train_extras = {"defer_weight_push": True}
         self._settled_aborted = 0
         total, early = rt.config.trainer.total_steps, None
+        threshold = self.params.max_off_policy_threshold
         with ThreadPoolExecutor(1, thread_name_prefix="rlpipe-refill") as refills:  # one: draws stay in order
             for step in range(rt.start_step, total):
                 waited = time.time()
                 # a new submission step: room under wait, and replacements for groups evicted meanwhile
                 self._refills = [refills.submit(self._top_up, step)]
-                batch, early = early, None  # sampled when the previous step's push was done: its chain started
+                run, early = early, None  # begun when the previous step's push was done, on a batch sampled then
+                batch = run.table if run is not None else None
                 while batch is None:
                     if (batch := self.sampler("sample_wait", groups, step, HEALTH_CHECK_S)) is not None:
                         batch = group_order(batch)
@@ -145,16 +147,13 @@ class SeparateAsyncMode(AsyncMode):
                 self._progress = None
                 # replace the consumed groups while the trainer trains (joined before the step ends)
                 self._refills.append(refills.submit(self._top_up, step))
-
-                def sample_early(step: int = step) -> tuple[int, pa.Table] | None:
-                    """The next step's batch, if the buffer holds one now: its chain then starts while the driver
-                    writes this step's records and ends it."""
-                    nonlocal early
-                    early = self._sample_early(step, groups)
-                    return (step + 1, early) if early is not None else None
-
-                self.train(step, batch, time.time() - waited, self.params.max_off_policy_threshold,
-                           then=sample_early)
+                wait_s = time.time() - waited
+                table, metrics = self.finish_training(step, run or self.start_training(step, batch, threshold), wait_s)
+                # the next step's batch, if the buffer holds one now: its training starts while the driver writes
+                # this step's records and ends it
+                if (following := self._sample_early(step, groups)) is not None:
+                    early = self.start_training(step + 1, following, threshold)
+                rt.end_step(step, table, metrics)
 
     def _sample_early(self, step: int, groups: int) -> pa.Table | None:
         """A batch for ``step + 1`` sampled at the end of ``step``'s update, when one is ready. Only off-policy

@@ -51,25 +51,26 @@ class SyncMode(Mode):
         cut = nodes.index(selects) + 1 if selects is not None else 0
         total = rt.config.trainer.total_steps
         evaluator = Evaluator(rt) if rt.plan.eval is not None else None
-        following = None  # the next step's prompts, drawn early for its first chain to start early
+        pending = None  # the next step's run, started before this one ended (its first call already on its way)
         for step in range(rt.start_step, total):
             metrics: dict[str, float] = {}
             if evaluator is not None and step == 0 and evaluator.spec.before_training:
                 metrics.update(evaluator.run(step, prefix="eval_start"))
-            table = following if following is not None else rt.loader.next_batch(step)
-            following = None
+            run, pending = pending, None
+            table = run.table if run is not None else rt.loader.next_batch(step)
             evaluates = evaluator is not None and evaluator.due_after(step)
             if cut:
                 table, found = self._collect_informative_groups(step, table, nodes[:cut])
                 metrics.update(found)
-            elif step + 1 < total and not rt.checkpoints_after(step) and not evaluates:
-                # the next step's generation can start as soon as this step's push is done, while the driver
-                # writes this step's records and ends it (on Ray). Not before a checkpoint: it keeps the prompt
-                # loader's position, which must not have moved past the next step yet; nor before an evaluation,
-                # which generates first.
-                following = rt.loader.next_batch(step + 1)
-            table, rest = rt.executor.run(step, table, nodes[cut:], extras=self.EXTRAS,
-                                          then=(lambda: (step + 1, following)) if following is not None else None)
+            # the next step's generation can start as soon as this step's push is done, while the driver writes
+            # this step's records and ends it (on Ray). Not before a checkpoint: it keeps the prompt loader's
+            # position, which must not have moved past the next step yet; nor before an evaluation, which
+            # generates first; nor with dynamic sampling, whose refills draw from the loader during the step.
+            early = not cut and step + 1 < total and not rt.checkpoints_after(step) and not evaluates
+            table, rest = rt.executor.finish(run or rt.executor.start(step, table, nodes[cut:], extras=self.EXTRAS),
+                                             write_records=not early)
+            if early:
+                pending = rt.executor.start(step + 1, rt.loader.next_batch(step + 1), nodes[cut:], extras=self.EXTRAS)
             if evaluates:  # the push is done: the rollout holds the weights this step trained
                 rest.update(evaluator.run(step))
             rt.end_step(step, table, {**metrics, **rest})

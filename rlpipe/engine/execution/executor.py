@@ -57,8 +57,6 @@ class StepExecutor(StepRecords):
         self.replica_of: dict[str, int] = {}
         """The rollout replica each prompt uid went to, until the step consuming it ends (for lineage)."""
         self._backlog = Backlog()
-        self._started: tuple[int, pa.Table, list[PlannedNode], dict[str, Any], _StartedChain] | None = None
-        """The next step's first worker chain, started by ``run(..., then=...)``: its step, input, nodes, extras."""
         self._calls: dict[tuple, tuple[Call, ...]] = {}
         """The compiled calls per node list and set of hooked step roles (:meth:`calls`)."""
         self._records_overlap = backend.overlap(self._write_backlog_while_waiting)
@@ -82,22 +80,26 @@ class StepExecutor(StepRecords):
             compiled = self._calls[key] = compile_calls(nodes, rules)
         return compiled
 
-    def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
-            extras: dict[str, Any] | None = None,
-            then: Callable[[], tuple[int, pa.Table] | None] | None = None) -> tuple[pa.Table, dict[str, float]]:
-        """Run ``nodes`` (default: all) in plan order as the calls :meth:`calls` compiled; returns the final table
-        and all metrics. Each node of a fused call still gets its own lineage record.
-
-        ``then``: called once this step's last node is done, when the first call is a worker chain; returns the
-        next step and its input (or None), which the caller then runs next with the same ``nodes`` and
-        ``extras``. That step's first chain starts at once, so that it runs while this step's records are
-        written and the caller ends the step; the caller must not change in between what that chain reads."""
-        metrics: dict[str, float] = {}
-        fp = LazyFingerprint(table)
+    def start(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
+              extras: dict[str, Any] | None = None) -> StepRun:
+        """Begin a run of ``nodes`` (default: all) on ``table``: its first call is submitted now when it is a
+        worker chain, so a mode that starts the next step before it ends this one (its records written, its
+        metrics logged) overlaps the two. :meth:`finish` runs the rest."""
         todo = list(nodes if nodes is not None else self.plan.nodes)
         extras = extras or {}
         calls = self.calls(todo)
-        handed = self._take_started(step, table, todo, extras)  # the first call, already started
+        first = self._start_chain(step, calls[0], table, extras) if calls and calls[0].worker_chain else None
+        return StepRun(step, table, todo, extras, calls, first)
+
+    def finish(self, run: StepRun, write_records: bool = True) -> tuple[pa.Table, dict[str, float]]:
+        """Run the rest of ``run``'s calls in order; returns the final table and all metrics. Each node of a
+        fused call still gets its own lineage record. ``write_records`` False: the records of the last nodes
+        stay pending, written at the next wait on a remote call or by :meth:`write_backlog` (the runtime's
+        ``end_step`` does it first), so a mode can start the next step's run before they are written."""
+        step, table, extras, calls = run.step, run.table, run.extras, run.calls
+        metrics: dict[str, float] = {}
+        fp = LazyFingerprint(table)
+        handed = run.first
         try:
             k = 0
             while k < len(calls):
@@ -112,10 +114,6 @@ class StepExecutor(StepRecords):
                     table, node_metrics, fp = self.finish_chain(step, beside, table, fp)
                     metrics.update(node_metrics)
                 k += 1 if partner is None else 2
-            if then is not None and calls[0].worker_chain and not self._hooked(todo[0]):
-                if (following := then()) is not None:
-                    self._started = (*following, todo, extras, self._start_chain(following[0], calls[0], following[1],
-                                                                                 extras))
         except BaseException:
             # whatever ended the step (a mode hook, an interrupt), the nodes that ran keep their records; the
             # error that ended it is the one raised
@@ -123,8 +121,14 @@ class StepExecutor(StepRecords):
             self._backlog.records.clear()
             self._backlog.error = None
             raise
-        self.write_backlog()
+        if write_records:
+            self.write_backlog()
         return table, metrics
+
+    def run(self, step: int, table: pa.Table, nodes: list[PlannedNode] | None = None,
+            extras: dict[str, Any] | None = None) -> tuple[pa.Table, dict[str, float]]:
+        """:meth:`start` and :meth:`finish` at once: the nodes' table and metrics, their records written."""
+        return self.finish(self.start(step, table, nodes, extras))
 
     def _run_call(self, step: int, call: Call, following: Call | None, table: pa.Table, fp: LazyFingerprint,
                   extras: dict[str, Any], handed: "_StartedChain | None",
@@ -138,17 +142,6 @@ class StepExecutor(StepRecords):
         if call.task_chain:
             return (*self.run_fused(step, list(call.nodes), table, fp, extras), None)
         return (*self.run_node(step, call.nodes[0], table, fp, extras), None)
-
-    def _take_started(self, step: int, table: pa.Table, todo: list[PlannedNode],
-                      extras: dict[str, Any]) -> "_StartedChain | None":
-        """The chain the previous ``run`` started for this one (what its ``then`` returned), if any."""
-        if self._started is None:
-            return None
-        (started_step, started_table, started_nodes, started_extras, started), self._started = self._started, None
-        if (started_step, started_nodes, started_extras) != (step, todo, extras) or started_table is not table:
-            raise ValueError(f"step {step}: run() was told (then=) that step {started_step} comes next with other "
-                             "input or nodes; its first chain already started")
-        return started
 
     def _hooked(self, node: PlannedNode) -> bool:
         """Whether a mode hook fires before ``node``."""
@@ -233,6 +226,21 @@ class StepExecutor(StepRecords):
         ctxs = [dataclasses.replace(ctx, dp_rank=rank) for rank in range(len(shards))]
         results = self.backend.run_on_workers(spec.role, node.kind, node.impl, params, tables, ctxs, node.timeout_s)
         return merge_results(results, shards, spec.creates_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRun:
+    """A run of nodes begun by :meth:`StepExecutor.start` and not yet finished."""
+
+    step: int
+    table: pa.Table
+    """Its input."""
+    nodes: list[PlannedNode]
+    extras: dict[str, Any]
+    calls: tuple[Call, ...]
+    """The calls it makes (:meth:`StepExecutor.calls`)."""
+    first: "_StartedChain | None"
+    """Its first call, submitted at the start (a worker chain), or None."""
 
 
 @dataclasses.dataclass
