@@ -181,7 +181,7 @@ def test_node_runs(finished):
 def test_artifacts(finished, tmp_path):
     _, run_id, client, _ = finished
     paths = artifact_paths(client, run_id)
-    assert {"pipeline.yaml", "resolved_config.json", "plan_summary.json", "lineage/lineage.parquet",
+    assert {"pipeline.yaml", "resolved_config.json", "plan_summary.json", "plan_dag.svg", "lineage/lineage.parquet",
             "trajectories/step_000000.parquet", "trajectories/step_000001.parquet",
             "model/final/config.json", "model/final/model.safetensors"} <= paths
     assert client.download_artifacts(run_id, "pipeline.yaml", str(tmp_path)).endswith("pipeline.yaml")

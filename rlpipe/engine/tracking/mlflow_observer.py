@@ -8,7 +8,8 @@ Layout of what it writes (readable with the plain MLflow client, or with
   ``MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``. Tags
   ``rlpipe.<key>`` from the plan summary (``rlpipe.mode``, ``rlpipe.nodes`` ...);
   params = the resolved config flattened to dotted keys; artifacts
-  ``pipeline.yaml``, ``resolved_config.json``, ``plan_summary.json``,
+  ``pipeline.yaml``, ``resolved_config.json``, ``plan_summary.json``, ``plan_dag.svg`` (the step DAG with its
+  call groups, :mod:`~rlpipe.engine.tracking.dag_picture`),
   ``lineage/steps/step_XXXXXX.parquet`` (one row per node execution of that step, see
   :data:`rlpipe.engine.tracking.lineage.LINEAGE_SCHEMA`), ``lineage/trajectories/step_XXXXXX.parquet``
   (the trajectories that step consumed), both gathered at the run's end into
@@ -83,6 +84,7 @@ from mlflow.utils.validation import (  # noqa: E402
 )
 
 from rlpipe.engine.tracking import runs, traces, ui_tables  # noqa: E402
+from rlpipe.engine.tracking.dag_picture import dag_svg  # noqa: E402
 from rlpipe.engine.tracking.lineage import table_to_records  # noqa: E402
 from rlpipe.engine.tracking.mlflow_artifacts import ArtifactWriter  # noqa: E402
 from rlpipe.engine.tracking.mlflow_experiment import TrackingError, open_experiment, summary_tags  # noqa: E402
@@ -160,6 +162,8 @@ class MLflowObserver(ArtifactWriter):
                 self.client.log_text(self.run_id, pipeline_yaml or "", "pipeline.yaml")
                 for name, obj in (("resolved_config.json", config), ("plan_summary.json", plan_summary)):
                     self.client.log_text(self.run_id, json.dumps(obj, indent=2, sort_keys=True, default=str), name)
+                if plan_summary.get("nodes"):  # the step DAG with its call groups, drawn from the summary
+                    self.client.log_text(self.run_id, dag_svg(plan_summary), "plan_dag.svg")
             except RlpipeError:
                 raise
             except Exception as exc:
