@@ -195,8 +195,12 @@ class Recorder:
 
     def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None):
         self.batches[step] = trajectories
-        self.metrics[step] = metrics
+        # merged: an evaluation's metrics (on_metrics) may come before the end of the step they belong to
+        self.metrics[step] = {**self.metrics.get(step, {}), **metrics}
         self.trajectory_lineage[step] = trajectory_lineage
+
+    def on_metrics(self, step, metrics):
+        self.metrics.setdefault(step, {}).update(metrics)
 
     def on_artifact(self, local_path, artifact_path=None):
         pass

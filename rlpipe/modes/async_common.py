@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import Field
 
+from rlpipe.engine.evaluation import BackgroundEval
 from rlpipe.engine.execution.executor import StepRun
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.engine.state.sampler import SharedSampler
@@ -110,6 +111,7 @@ class AsyncMode(Mode):
     """Driver of the rollout pool and the replay buffer; subclasses schedule the steps."""
 
     generates_while_training = True
+    evaluates = True
 
     Params = AsyncParams
 
@@ -127,6 +129,14 @@ class AsyncMode(Mode):
         self.last_stats: list[dict] | None = None
         self.train_extras: dict = {}
         """Extra ``ctx.extras`` of the training-side nodes (e.g. ``defer_weight_push``)."""
+        self.evaluation = BackgroundEval(runtime, self.replicas) if runtime.plan.eval is not None else None
+        """Evaluation during training (``eval:``), on the rollout replicas beside training."""
+
+    def start_evaluations(self) -> None:
+        """At the start of a run: the evaluation before training, when ``eval.before_training`` asks for it."""
+        rt = self.runtime
+        if self.evaluation is not None and rt.start_step == 0 and rt.config.eval.before_training:
+            self.evaluation.start(0, prefix="eval_start")
 
     def sampler(self, method: str, *args):
         return self.runtime.workers.call("sampler", method, *args)[0]
@@ -205,6 +215,8 @@ class AsyncMode(Mode):
         metrics.update(rollout_metrics())
         metrics["async/guard_wait_s"] = wait_s
         metrics["async/trainer_idle_fraction"] = wait_s / max(wait_s + train_s, 1e-9)
+        if self.evaluation is not None:  # the push is done: an evaluation starts on these weights when due
+            self.evaluation.after_step(step)
         return table, metrics
 
     def train(self, step: int, batch: pa.Table, wait_s: float, max_staleness: int) -> None:

@@ -27,6 +27,8 @@ class Mode:
     generates_while_training: bool = False
     """The rollout generates while the trainer trains (the async modes): their worker processes compute at
     the same time and share the CPUs (rlpipe.engine.host's thread budget)."""
+    evaluates: bool = False
+    """The mode runs the eval DAG (``eval:``) during training; ``rlpipe validate`` refuses ``eval:`` otherwise."""
 
     @classmethod
     def check(cls, config: "PipelineConfig", plan: "Plan") -> None:

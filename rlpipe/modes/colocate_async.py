@@ -63,6 +63,7 @@ class ColocateAsyncMode(AsyncMode):
         bound = 2 if self.params.overlap else 1
         total = rt.config.trainer.total_steps
         try:
+            self.start_evaluations()
             in_buffer = sum(self.sampler("counts").values())  # > 0 after a resume: re-issued prompts
             self.submit(rt.start_step, max(0, groups - in_buffer))
             for step in range(rt.start_step, total):

@@ -97,6 +97,7 @@ class SeparateAsyncMode(AsyncMode):
 
     def run(self) -> None:
         try:
+            self.start_evaluations()
             if self.replicas_score:
                 self._run_fed()
             else:

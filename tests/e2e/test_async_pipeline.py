@@ -35,6 +35,10 @@ def test_separate_async_on_ray_bounds_staleness_and_records_trajectory_lineage(r
             stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
+    # evaluation beside training: the eval prompts share the replica's service on a lane of their own
+    raw["eval"] = {"data": {"source": "digits", "params": {"task": "reverse", "num_digits": 2, "size": 8},
+                            "prompts_per_step": 8}, "every": 2, "before_training": True,
+                   "params": {"generate": {"n": 2, "temperature": 0.6}}}
     result = run_pipeline(validate_config(raw), "name: e2e-async\n")
 
     run = MlflowClient(uri).get_run(result.run_id)
@@ -51,6 +55,11 @@ def test_separate_async_on_ray_bounds_staleness_and_records_trajectory_lineage(r
         assert t["min_version"] <= t["max_version"] <= t["consumed_step"]
     lineage = runs.lineage_table(result.run_id, uri).to_pylist()
     assert {"generate", "reward", "staleness_guard", "update", "weight_sync"} <= {r["node"] for r in lineage}
+    # three evaluations (before training, after steps 1 and 3), logged at the step whose push they evaluate
+    assert {r["node"] for r in lineage if r["node"].startswith("eval.")} == {"eval.generate", "eval.reward"}
+    assert [m.step for m in client.get_metric_history(result.run_id, "eval_start/prompts")] == [0]
+    evals = {m.step: m.value for m in client.get_metric_history(result.run_id, "eval/policy_version")}
+    assert sorted(evals) == [1, 3] and evals[1] >= 2 and evals[3] == 4.0
     # the deferred push ran in the trainer's call after the update; the driver settled it before the next prompts
     pushes = [r for r in lineage if r["node"] == "weight_sync"]
     assert len(pushes) == 4 and all(r["worker"].startswith("driver in actor×1@") for r in pushes), pushes

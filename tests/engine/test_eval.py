@@ -66,13 +66,43 @@ def test_bad_eval_settings_are_refused_naming_the_field(tmp_path, change, error)
         build_plan(validate_config(_raw(tmp_path, 2, **change)))
 
 
-def test_eval_in_an_async_mode_is_refused_until_it_is_built(tmp_path):
-    raw = validate_config({**_raw(tmp_path, 2), "mode": "separate_async",
-                           "stages": quickstart_raw()["stages"][:2] + [{"kind": "staleness_guard",
-                                                                         "impl": "max_staleness"}]
-                           + quickstart_raw()["stages"][2:]})
-    with pytest.raises(ConfigError, match=r"eval: runs in sync mode so far \(mode is 'separate_async'\)"):
-        build_plan(raw)
+def _async_raw(tmp_path, mode: str, mode_params: dict, steps: int, **eval_changes) -> dict:
+    raw = {**_raw(tmp_path, steps, **eval_changes), "mode": mode, "mode_params": mode_params}
+    stages = []
+    for stage in raw["stages"]:
+        if stage["kind"] == "balance":
+            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
+        stages.append(stage)
+    raw["stages"] = stages
+    return raw
+
+
+@pytest.mark.parametrize("mode, mode_params", [
+    ("separate_async", {"max_off_policy_threshold": 2, "strategy": "drop", "capacity_steps": 2}),
+    ("colocate_async", {}),
+])
+def test_an_async_run_evaluates_beside_training_and_no_eval_row_reaches_an_update(tmp_path, mode, mode_params):
+    """The eval prompts go to the rollout service on a lane of their own while the trainer goes on; their metrics
+    are logged at the step whose push they evaluate (as in sync), tagged with the weight versions of their tokens."""
+    recorder = Recorder()
+    run_pipeline(validate_config(_async_raw(tmp_path, mode, mode_params, 24, every=8)), "", observer=recorder,
+                 inline=True)
+    evaluated = {s: m for s, m in recorder.metrics.items() if "eval/reward/mean" in m}
+    assert sorted(evaluated) == [7, 15, 23] and "eval_start/reward/mean" in recorder.metrics[0]
+    first = recorder.metrics[0]
+    assert first["eval_start/policy_version"] == 0 and first["eval_start/prompts"] == 64
+    for step, m in evaluated.items():  # generated with the weights that step pushed (or later ones)
+        assert m["eval/prompts"] == 64 and step + 1 <= m["eval/policy_version"] <= m["eval/policy_version_max"]
+    last = evaluated[23]
+    assert last["eval/policy_version"] == 24 and last["eval/skipped"] == 0  # the last push, nothing skipped
+    assert last["eval/digits/mean@4"] > first["eval_start/digits/mean@4"] + 0.1, (first, last)
+    evals = [r for r in recorder.records if r.node.startswith("eval.")]
+    assert {r.node for r in evals} == {"eval.generate", "eval.reward"}
+    assert sum(r.rows_out for r in evals if r.node == "eval.generate") == 4 * 64 * 4  # 4 evaluations × 64 × n=4
+    for step in range(24):
+        assert not any(uid.startswith("eval") for uid in recorder.batches[step].column("uid").to_pylist())
+        update = next(r for r in recorder.records if r.step == step and r.node == "update")
+        assert update.rows_in == 16 * 8
 
 
 def _training_chain_is_clean(recorder: Recorder, steps: int, rows: int) -> None:

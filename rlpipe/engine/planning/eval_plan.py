@@ -15,6 +15,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from rlpipe.errors import ConfigError
+from rlpipe.registry import registry
 
 PREFIX = "eval."
 """Node names of the eval DAG: ``eval.<training node>``."""
@@ -37,9 +38,9 @@ def plan_eval(config, plan, validate_params: Callable[[type[BaseModel], dict, st
     spec = config.eval
     if spec is None:
         return None
-    if plan.mode_name != "sync":
-        raise ConfigError(f"eval: runs in sync mode so far (mode is {plan.mode_name!r}); remove the eval section or "
-                          "use mode: sync (eval in the async modes is not built yet)")
+    if not registry("mode").get(plan.mode_name).evaluates:
+        raise ConfigError(f"eval: mode {plan.mode_name!r} does not run evaluations; remove the eval section or use "
+                          "mode: sync, colocate_async or separate_async")
     by_name = {n.name: n for n in plan.nodes}
     for name in [*spec.nodes, *spec.params]:
         if name not in by_name:

@@ -212,11 +212,12 @@ class RolloutState:
             self._service = RolloutService(self.engine, self.tokenizer, name=f"rollout-service-{self.rank}")
         return self._service
 
-    def service_submit(self, prompts, params, seed: int) -> int:
-        return self.service().submit(prompts, params, seed)
+    def service_submit(self, prompts, params, seed: int, lane: str = "train") -> int:
+        return self.service().submit(prompts, params, seed, lane)
 
-    def service_collect(self, min_groups: int = 0, timeout: float | None = None, max_groups: int | None = None):
-        return self.service().collect(min_groups, timeout, max_groups)
+    def service_collect(self, min_groups: int = 0, timeout: float | None = None, max_groups: int | None = None,
+                        lane: str = "train"):
+        return self.service().collect(min_groups, timeout, max_groups, lane)
 
     def service_pause(self) -> int:
         return self.service().pause()

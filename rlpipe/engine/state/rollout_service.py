@@ -56,6 +56,11 @@ class RolloutServiceError(RlpipeError):
     """The rollout service cannot serve: it was shut down, or its decode loop died (the cause is chained)."""
 
 
+TRAIN_LANE = "train"
+"""The lane of training prompts. Another lane (``eval``: evaluation during an async run) shares the engine and
+its weight pushes but is collected on its own, so its groups never reach the replay buffer."""
+
+
 @dataclass
 class _Group:
     """The ``n`` trajectories of one prompt, from submission to collection."""
@@ -64,6 +69,7 @@ class _Group:
     prompt: pa.Table  # one row, the PASS_THROUGH columns (and EXTRA_INFO when given) in canonical types
     requests: list[GenerationRequest]  # index = sample_index
     results: dict[int, GenerationResult] = field(default_factory=dict)
+    lane: str = TRAIN_LANE  # which collect() takes it
 
 
 def _split_id(request_id: str) -> tuple[str, int]:
@@ -205,8 +211,9 @@ class RolloutService:
 
     # -- requests in, groups out ----------------------------------------------------
 
-    def submit(self, prompts: pa.Table, params: GenerateParams | Mapping[str, Any], seed: int) -> int:
-        """Queue ``params.n`` samples of every prompt row; returns the number of requests.
+    def submit(self, prompts: pa.Table, params: GenerateParams | Mapping[str, Any], seed: int,
+               lane: str = TRAIN_LANE) -> int:
+        """Queue ``params.n`` samples of every prompt row on ``lane``; returns the number of requests.
 
         Request ids are ``uid/sample_index`` and the seed is used as the generate
         stage uses it, so the tokens equal the stage's for the same prompts and seed.
@@ -234,34 +241,42 @@ class RolloutService:
                 self._to_engine(requests)
             for row, uid in enumerate(uids):
                 own = requests[row * params.n : (row + 1) * params.n]
-                self._groups[uid] = _Group(self._seq, canonical.slice(row, 1), own)
+                self._groups[uid] = _Group(self._seq, canonical.slice(row, 1), own, lane=lane)
                 self._seq += 1
             self._counts["requests_submitted"] += len(requests)
         return len(rows)
 
-    def collect(self, min_groups: int = 0, timeout: float | None = None, max_groups: int | None = None) -> pa.Table:
-        """Trajectory rows of complete groups (partial groups stay), groups in submission order.
+    def collect(self, min_groups: int = 0, timeout: float | None = None, max_groups: int | None = None,
+                lane: str = TRAIN_LANE) -> pa.Table:
+        """Trajectory rows of the complete groups of ``lane`` (partial groups stay), in submission order.
 
         With ``min_groups > 0`` blocks until that many groups are complete, until
-        ``timeout`` seconds passed, or until every group in the service is
+        ``timeout`` seconds passed, or until every group of the lane in the service is
         complete (fewer than ``min_groups`` remain); ``min_groups=0`` never waits.
         ``max_groups`` caps how many (the earliest submitted) are taken.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._ready) < min(min_groups, len(self._groups)) and self._error is None:
+            while self._error is None:
+                ready = [uid for uid in self._ready if self._groups[uid].lane == lane]
+                if len(ready) >= min(min_groups, self._count(lane)):
+                    break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(left)
             if self._error is not None:
                 self._check()
-            ready = sorted(self._ready, key=lambda uid: self._groups[uid].seq)[:max_groups]
+            ready = sorted(ready, key=lambda uid: self._groups[uid].seq)[:max_groups]
             taken = set(ready)
             self._ready = [uid for uid in self._ready if uid not in taken]
             groups = [self._groups.pop(uid) for uid in ready]
             self._counts["groups_collected"] += len(groups)
         return self._table(groups)
+
+    def _count(self, lane: str) -> int:
+        """Groups of ``lane`` in the service (lock held)."""
+        return sum(1 for group in self._groups.values() if group.lane == lane)
 
     def _table(self, groups: list[_Group]) -> pa.Table:
         sizes = [len(g.requests) for g in groups]
@@ -360,10 +375,10 @@ class RolloutService:
 
     paused = property(lambda self: self._paused, doc="True between pause() and resume().")
 
-    def in_service(self) -> int:
-        """Groups submitted and not yet collected or dropped (queued, running, aborted or complete)."""
+    def in_service(self, lane: str = TRAIN_LANE) -> int:
+        """Groups of ``lane`` submitted and not yet collected or dropped (queued, running, aborted or complete)."""
         with self._cond:
-            return len(self._groups)
+            return self._count(lane)
 
     # -- bookkeeping ----------------------------------------------------------------
 

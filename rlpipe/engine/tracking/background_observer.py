@@ -74,6 +74,9 @@ class BackgroundObserver:
                     trajectory_lineage: Any | None = None) -> None:
         self._put("on_step_end", (step, dict(metrics), trajectories, trajectory_lineage))
 
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._put("on_metrics", (step, dict(metrics)))
+
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         self._put("on_artifact", (local_path, artifact_path))
 

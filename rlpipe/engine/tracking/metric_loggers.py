@@ -137,6 +137,9 @@ class MetricLoggersObserver:
                             name, type(exc).__name__, exc)
         return self.run_id
 
+    def on_metrics(self, step, metrics) -> None:
+        self.on_step_end(step, metrics, None)
+
     def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None) -> None:
         for name, sink in list(self.sinks.items()):
             try:
@@ -201,6 +204,11 @@ class FanOutObserver:
         self.primary.on_step_end(step, metrics, trajectories, trajectory_lineage)
         if self.secondary is not None:
             self.secondary.on_step_end(step, metrics, None)
+
+    def on_metrics(self, step, metrics) -> None:
+        self.primary.on_metrics(step, metrics)
+        if self.secondary is not None:
+            self.secondary.on_metrics(step, metrics)
 
     def on_artifact(self, local_path, artifact_path=None) -> None:
         self.primary.on_artifact(local_path, artifact_path)

@@ -395,6 +395,14 @@ class MLflowObserver(ArtifactWriter):
         ts = int(time.time() * 1000)
         self._node_metrics.setdefault(PIPELINE_RUN, []).extend([k, v, ts, step] for k, v in values.items())
 
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        with self._lock:
+            if not self._accepting("on_metrics"):
+                return
+            ts = int(time.time() * 1000)
+            self._node_metrics.setdefault(PIPELINE_RUN, []).extend(
+                [_key(k), float(v), ts, step] for k, v in metrics.items())
+
     def _queue_trace(self, step: int, error: str) -> None:
         """Log ``step``'s trace with the next metrics flush (several steps' spans in one store call)."""
         if step in self._traced or not self._records.get(step):

@@ -73,6 +73,11 @@ class Observer(Protocol):
         trajectories, and the lineage of every consumed trajectory (uid, versions, consuming step)."""
         ...
 
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics that belong to ``step`` but were measured later (an async run's evaluation of the weights
+        that step pushed), logged at that step."""
+        ...
+
     def on_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
         """A file or directory produced by the run (a saved model, a checkpoint)."""
         ...
@@ -103,6 +108,9 @@ class NullObserver:
         pass
 
     def on_step_end(self, step, metrics, trajectories, trajectory_lineage=None) -> None:
+        pass
+
+    def on_metrics(self, step, metrics) -> None:
         pass
 
     def on_artifact(self, local_path, artifact_path=None) -> None:
