@@ -25,3 +25,13 @@ def test_console_script_points_at_cli_main():
     from rlpipe.cli import main
 
     assert callable(main)
+
+
+MAX_MODULE_LINES = 500
+"""The house limit (DESIGN.md, house style): a module that grows past it is split by concern."""
+
+
+def test_no_module_of_the_package_is_over_the_house_limit():
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+             for top in MAPPING for path in (ROOT / top).rglob("*.py")}
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
