@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol
 
 import pyarrow as pa
@@ -88,6 +88,33 @@ class StageResult:
     contexts of the nodes after it carry it. None from such a stage: the engine asks the trainer."""
 
 
+@dataclass(frozen=True)
+class StepExtras:
+    """What the engine and the mode tell a step's stages beyond the context's fixed fields: one typed field each
+    (a mode passing an unknown name fails where it passes it)."""
+
+    temperature: float = 1.0
+    """The generate node's sampling temperature: the log-prob stages score at it (one source of truth)."""
+    max_staleness: int | None = None
+    """The mode's staleness bound, which a staleness guard checks unless its params set one (None: no bound)."""
+    max_version_lag: int | None = None
+    """The largest gap between a token's weight version and the trainer's a guard accepts (None: not checked)."""
+    sleep_after_generate: bool = False
+    """The generate stage puts its engine to sleep once done (sync: training comes next)."""
+    defer_weight_push: bool = False
+    """The weight push returns once the replicas have the buckets; the driver settles it later (separate_async)."""
+    eval: bool = False
+    """The nodes run an evaluation (their rows never reach the trainer)."""
+
+    def merged(self, changes: dict[str, Any] | None) -> "StepExtras":
+        """These extras with the fields ``changes`` names set (an unknown name is a TypeError naming it)."""
+        return replace(self, **changes) if changes else self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a dict (a replayable batch's JSON context)."""
+        return asdict(self)
+
+
 @dataclass
 class StageContext:
     """What the engine tells a stage about the current execution."""
@@ -102,8 +129,12 @@ class StageContext:
     dp_size: int = 1
     workers: "WorkerCalls | None" = None
     """Driver stages only: call methods of worker roles."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Run information from the engine: ``temperature`` (the generate node's), mode-specific values."""
+    extras: StepExtras = StepExtras()
+    """Run information from the engine and the mode (:class:`StepExtras`)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.extras, dict):  # a replayed context from JSON, a hand-built one in a test
+            self.extras = StepExtras().merged(self.extras)
     carry: dict[str, Any] = field(default_factory=dict)
     """What this node returned as ``StageResult.carry`` at its previous execution."""
     plugins: tuple[Any, ...] = ()

@@ -148,7 +148,7 @@ def generation_seed(ctx: StageContext) -> int:
 
 
 def generate(worker: Any, batch: pa.Table, params: GenerateParams, ctx: StageContext) -> StageResult:
-    """Sample ``params.n`` responses for every prompt row of ``batch``; with ``ctx.extras["sleep_after_generate"]``
+    """Sample ``params.n`` responses for every prompt row of ``batch``; with ``ctx.extras.sleep_after_generate``
     (sync mode: training comes next) the replica's engine goes to sleep once they are done."""
     rows, sample_index, requests = group_requests(batch, params, generation_seed(ctx))
     engine, own = rollout_engine(worker, params)
@@ -159,7 +159,7 @@ def generate(worker: Any, batch: pa.Table, params: GenerateParams, ctx: StageCon
         if own:
             engine.close_agent()
     elapsed = time.perf_counter() - start
-    if ctx.extras.get("sleep_after_generate"):
+    if ctx.extras.sleep_after_generate:
         worker.sleep()
     table = trajectory_table(batch.take(pa.array(rows)), sample_index, results, worker.tokenizer)
     return StageResult(table=table, metrics=_metrics(results, elapsed))

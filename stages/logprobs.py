@@ -9,7 +9,7 @@ for the KL term. With ``sum_pi_squared: true`` the trainer impl also writes
 ``sum_pi_squared`` = Σ_v π_old(v)² per response token (the softmax of the temperature-scaled
 logits, squared and summed over the vocabulary; verl's ``calculate_sum_pi_squared``), which the
 ``optimal_token_baseline`` estimators read. Sampling temperature comes from the generate node (one source
-of truth), handed over in ``ctx.extras["temperature"]``.
+of truth), handed over in ``ctx.extras.temperature``.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def _score_on(state, batch: pa.Table, params: LogProbParams, ctx, with_sum_pi_sq
     """``score_batch`` with the worker's model, the params' (or trainer's) micro-batch, the run's temperature."""
     micro = params.micro_batch_size or state.config.trainer.micro_batch_size
     keep_in_step(state, len(micro_batches(batch.num_rows, micro)), backward=False)
-    return score_batch(state.model, batch, state.pad_token_id, ctx.extras.get("temperature", 1.0), micro,
+    return score_batch(state.model, batch, state.pad_token_id, ctx.extras.temperature, micro,
                        with_sum_pi_squared, getattr(state, "forward_passes", None), autocast_dtype(state.config))
 
 

@@ -64,7 +64,7 @@ def ppo_update(state, batch: pa.Table, params: PPOUpdateParams, ctx) -> StageRes
     trainer = state.config.trainer
     prompts = state.config.data.prompts_per_step
     num_minis = prompts // (trainer.ppo_mini_batch_size or prompts)
-    temperature = ctx.extras.get("temperature", 1.0)
+    temperature = ctx.extras.temperature
     history: dict[str, list[float]] = {}
     for _ in range(trainer.ppo_epochs):
         for mini_rows in np.array_split(np.arange(batch.num_rows), num_minis):

@@ -107,7 +107,7 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
     version, hand the push to every replica's ``push_weights``; the per-push metrics."""
     workers = ctx.workers
     t0 = time.perf_counter()
-    undeferred = ctx.dp_size == 1 and not ctx.extras.get("defer_weight_push")
+    undeferred = ctx.dp_size == 1 and not ctx.extras.defer_weight_push
     colocated = undeferred and workers.colocated("rollout", "actor")
     if export == "export_for_push" and (colocated or (undeferred and workers.in_process)):
         # the trainer and the engine share a process and the push is not deferred: the engine copies the
@@ -127,7 +127,7 @@ def _push(ctx, export: str, *args, **replica_kwargs) -> StageResult:
                                                             **replica_kwargs))
     version = _boundary("1 (version bump)", lambda: workers.resolve(bumped))[0]
     metrics = {"weight_sync/version": float(version)}
-    if ctx.extras.get("defer_weight_push"):
+    if ctx.extras.defer_weight_push:
         workers.defer(pushed, f"weight sync failed at boundary {replicas} (push of version {version})")
         return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0},
                            policy_version=int(version))
@@ -178,7 +178,7 @@ def broadcast_weights(batch, params: BroadcastSyncParams, ctx) -> StageResult:
     sent = _boundary("2 (transport: broadcast from trainer rank 0)",
                      lambda: workers.call_async("actor", "broadcast_send", rank=0))
     metrics = {"weight_sync/version": float(version)}
-    if ctx.extras.get("defer_weight_push"):
+    if ctx.extras.defer_weight_push:
         workers.defer(sent + received, f"weight sync failed at boundary {stage} (push of version {version})")
         return StageResult(metrics={**metrics, "weight_sync/push_s": time.perf_counter() - t0},
                            policy_version=int(version))

@@ -25,7 +25,7 @@ from rlpipe.engine.tracking.observer import Observer
 from rlpipe.engine.planning.plan import Plan, PlannedNode
 from rlpipe.schemas.batch import DP_RANK, UID
 from rlpipe.engine.stage_call import ChainedStage, apply_result, merge_results
-from rlpipe.stage import StageContext, StageResult
+from rlpipe.stage import StageContext, StageResult, StepExtras
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class StepExecutor(StepRecords):
         self.policy_version = 0
         generate = plan.anchor("generates")
         # One source of truth for sampling temperature: the generate node's params.
-        self.base_extras = {"temperature": float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0}
+        self.base_extras = StepExtras(temperature=float(getattr(generate.params, "temperature", 1.0)) if generate else 1.0)
         self.carry: dict[str, dict[str, Any]] = {}
         """Per node: the state its last execution handed forward (StageResult.carry)."""
         self.before_role: dict[str, list[Callable[[PlannedNode, int], None]]] = {}
@@ -149,7 +149,7 @@ class StepExecutor(StepRecords):
 
     def _context(self, step: int, node: PlannedNode, extras: dict[str, Any]) -> StageContext:
         return StageContext(step=step, seed=self.seed, policy_version=self.policy_version,
-                            dp_size=self.dp_size, extras={**self.base_extras, **extras},
+                            dp_size=self.dp_size, extras=self.base_extras.merged(extras),
                             carry=dict(self.carry.get(node.name, {})), plugins=self.plan.plugins)
 
     def run_node(self, step: int, node: PlannedNode, table: pa.Table, input_fp: str | LazyFingerprint,

@@ -124,7 +124,7 @@ class StepRecords:
         if not every or step % every or on_node_input is None:
             return
         on_node_input(step, node.name, table, {"step": ctx.step, "seed": ctx.seed, "policy_version": ctx.policy_version,
-                                               "dp_size": ctx.dp_size, "extras": ctx.extras, "carry": ctx.carry})
+                                               "dp_size": ctx.dp_size, "extras": ctx.extras.as_dict(), "carry": ctx.carry})
 
     def _record_failure(self, step: int, node: PlannedNode, table_in: pa.Table, input_fp: str | LazyFingerprint,
                         start: float, error: BaseException) -> None:

@@ -49,7 +49,7 @@ from rlpipe.engine.stage_call import apply_result, run_stage
 from rlpipe.engine.state.pool_client import PendingCall, PoolClient
 from rlpipe.errors import StageError
 from rlpipe.schemas.batch import PROMPT_STEP, UID
-from rlpipe.stage import StageContext
+from rlpipe.stage import StageContext, StepExtras
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class RolloutFeeder:
         """Complete groups to wait for (up to ``poll_s``) before scoring and storing: fewer round trips."""
         self.poll_s = poll_s
         self.run_seed = run_seed
-        self.extras = {"temperature": float(gen_params.get("temperature", 1.0))}
+        self.extras = StepExtras(temperature=float(gen_params.get("temperature", 1.0)))
         self._records: list[dict[str, Any]] = []
         self._generated: list[str] = []  # prompt uids this replica generated since the last drain (lineage)
         self._counts = {"pulled": 0, "stored_groups": 0, "score_s": 0.0}
@@ -203,7 +203,7 @@ class RolloutFeeder:
         while s.next < len(self.head):
             node = self.head[s.next]
             ctx = StageContext(step=s.step, seed=self.run_seed, policy_version=int(self.service.engine.version),
-                               extras=dict(self.extras))
+                               extras=self.extras)
             try:
                 if node.role is None:
                     start = time.time()
