@@ -37,17 +37,22 @@ def test_the_signal_is_named_when_it_comes_up_as_our_exception(our_handlers):
 
 @ray.remote(num_cpus=0, max_retries=0)
 def _signal_then_sleep(pid: int) -> None:
+    time.sleep(0.5)  # the driver is inside ray.get by then
     os.kill(pid, signal.SIGTERM)
     time.sleep(60)
 
 
 def test_a_signal_during_ray_get_is_named_though_ray_raises_its_own_exception(ray_session, our_handlers):
-    # Ray's C++ wait turns our exception into a bare KeyboardInterrupt(): the record in the handler names it
-    ref = _signal_then_sleep.remote(os.getpid())
+    # Ray's C++ wait turns our exception into a bare KeyboardInterrupt(): the record in the handler names it.
+    # The task is submitted inside pytest.raises: a signal that lands before ray.get (a loaded machine) must not
+    # escape the test and stop the pytest worker
+    refs = []
     try:
         with pytest.raises(KeyboardInterrupt) as caught:
-            ray.get(ref, timeout=60)
+            refs.append(_signal_then_sleep.remote(os.getpid()))
+            ray.get(refs[0], timeout=60)
     finally:
-        ray.cancel(ref, force=True)
+        for ref in refs:
+            ray.cancel(ref, force=True)
     stop = interrupt.stop_of(caught.value)
     assert (str(stop), stop.exit_code) == ("stopped by SIGTERM", 143)
