@@ -12,7 +12,7 @@ records (``eval.<node>``); nothing they produce reaches the trainer. The result 
   k being the eval generate node's ``n``.
 
 In the async modes (:class:`BackgroundEval`) the evaluation does not stop training: once a step's push is
-done its prompts go to the rollout replicas' services on a lane of their own (``eval``: never the replay
+done and loaded (the mode settles a deferred one first) its prompts go to the rollout replicas' services on a lane of their own (``eval``: never the replay
 buffer, never a training batch), generated beside the training prompts with the weights the replicas hold
 then and after (a push aborts and resumes them like any request), and are scored here as they come back.
 Once its last group is back its metrics are logged at the step whose push it evaluates, as in sync mode

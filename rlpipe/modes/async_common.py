@@ -132,6 +132,10 @@ class AsyncMode(Mode):
         self.evaluation = BackgroundEval(runtime, self.replicas) if runtime.plan.eval is not None else None
         """Evaluation during training (``eval:``), on the rollout replicas beside training."""
 
+    def settle_pushes(self) -> None:
+        """Wait until the replicas hold the last weight push (a deferred one is settled)."""
+        self.runtime.workers.settle()
+
     def start_evaluations(self) -> None:
         """At the start of a run: the evaluation before training, when ``eval.before_training`` asks for it."""
         rt = self.runtime
@@ -216,6 +220,8 @@ class AsyncMode(Mode):
         metrics["async/guard_wait_s"] = wait_s
         metrics["async/trainer_idle_fraction"] = wait_s / max(wait_s + train_s, 1e-9)
         if self.evaluation is not None:  # the push is done: an evaluation starts on these weights when due
+            if self.evaluation.evaluator.due_after(step):
+                self.settle_pushes()  # the replicas hold them before the eval prompts reach the engines
             self.evaluation.after_step(step)
         return table, metrics
 
