@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "their columns and params with defaults")
     stages.add_argument("kind", nargs="?", default=None, metavar="KIND[/IMPL]",
                         help="a stage kind (advantage), one implementation (advantage/grpo) or a registry (dataset)")
+    stages.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                        help="import a plugin file first (as a pipeline's plugins: do), so its kinds and impls show; "
+                             "repeatable")
     cli_lineage.add_commands(sub)
     spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
     spool_sub = spool.add_subparsers(dest="spool_command", required=True)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             return _spool_replay(args.path, args.tracking_uri)
         if args.command == "vllm-serve":
             return _vllm_serve(args.pipeline, args.override, args.port)
-        return _stages(args.kind)
+        return _stages(args.kind, args.plugin)
     except RlpipeError as exc:
         if args.command != "run":  # validate and the readers: the whole message (a config's every bad field)
             # escaped: messages name fields like stages[reward], which Rich would take for markup and drop
@@ -231,9 +234,17 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
         server.close()
 
 
-def _stages(kind: str | None) -> int:
-    from rlpipe import cli_stages
+def _stages(kind: str | None, plugins: list[str]) -> int:
+    from pydantic import ValidationError
 
+    from rlpipe import cli_stages
+    from rlpipe.plugin_files import PluginFile, import_plugin_files
+
+    try:
+        files = [PluginFile.model_validate(path) for path in plugins]
+    except ValidationError as exc:
+        raise ConfigError(f"--plugin: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    import_plugin_files(files)
     text = cli_stages.detail(kind) if kind else cli_stages.overview()
     try:
         print(text)

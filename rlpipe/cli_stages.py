@@ -1,4 +1,5 @@
-"""``rlpipe stages [KIND[/IMPL]]``: what can go in a pipeline, from the registry itself.
+"""``rlpipe stages [KIND[/IMPL]] [--plugin FILE ...]``: what can go in a pipeline, from the registry itself
+(with ``--plugin``, the kinds and impls a plugin file registers too).
 
 Without an argument: every stage kind with one line per implementation (where it runs, what it
 does: its docstring's first sentence), then the other registries' names. With a kind (``advantage``),

@@ -211,3 +211,14 @@ def test_validate_checks_every_row_of_a_file_up_to_the_bound(tmp_path, capsys):
     assert main([*common, "-o", "data.check_whole_files_mb=0"]) == 0
     out = capsys.readouterr().out
     assert f"data: 2000 rows checked; only the first 2000 of {data} (0.2 MB) (over data.check_whole_files_mb=0" in out
+
+
+def test_stages_lists_the_kinds_a_plugin_file_registers(capsys):
+    plugin = str(ROOT / "pipelines" / "plugins" / "length_penalty.py")
+    assert main(["stages", "--plugin", plugin]) == 0
+    assert re.search(r"^length_penalty: ", capsys.readouterr().out, flags=re.MULTILINE)
+    assert main(["stages", "length_penalty/linear", "--plugin", plugin]) == 0
+    detail = capsys.readouterr().out
+    assert "writes: token_rewards (list<item: float>)" in detail and "coef: 0.01" in detail
+    assert main(["stages", "--plugin", "no/such/file.py"]) == 2
+    assert "--plugin: plugin file 'no/such/file.py' not found" in capsys.readouterr().err
