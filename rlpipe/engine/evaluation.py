@@ -12,9 +12,10 @@ records (``eval.<node>``); nothing they produce reaches the trainer. The result 
   k being the eval generate node's ``n``.
 
 In the async modes (:class:`BackgroundEval`) the evaluation does not stop training: once a step's push is
-done and loaded (the mode settles a deferred one first) its prompts go to the rollout replicas' services on a lane of their own (``eval``: never the replay
-buffer, never a training batch), generated beside the training prompts with the weights the replicas hold
-then and after (a push aborts and resumes them like any request), and are scored here as they come back.
+done and loaded (the mode settles a deferred one first) its prompts go to the rollout replicas' services on
+a lane of their own (``eval``: never the replay buffer, never a training batch), generated beside the
+training prompts (a later push aborts and resumes them like any request), and are scored here as they come
+back (rlpipe.engine.rollout_calls, as the training prompts are).
 Once its last group is back its metrics are logged at the step whose push it evaluates, as in sync mode
 (``Observer.on_metrics``: later than that step's own metrics), with ``<prefix>/policy_version`` the oldest
 weight version in its tokens and ``<prefix>/policy_version_max`` the newest.
@@ -28,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlpipe.engine.rollout_calls import collect_scored, submit_to_replicas
 from rlpipe.engine.state.data import PromptLoader
 from rlpipe.errors import RlpipeError
 from rlpipe.jagged import lengths
@@ -64,9 +66,9 @@ class Evaluator:
         """What the eval nodes' contexts carry: the eval temperature, no sleep after generating, ``eval``."""
         return {"temperature": self.plan.temperature, "sleep_after_generate": False, "eval": True}
 
-    def metrics(self, parts: list[pa.Table], prefix: str) -> dict[str, float]:
-        return eval_metrics(pa.concat_tables(parts, promote_options="default"), self.plan.samples_per_prompt,
-                            self.spec.pass_threshold, prefix)
+    def metrics(self, table: pa.Table, prefix: str) -> dict[str, float]:
+        """:func:`eval_metrics` of the evaluated rows, with this evaluation's k and pass threshold."""
+        return eval_metrics(table, self.plan.samples_per_prompt, self.spec.pass_threshold, prefix)
 
     def run(self, step: int, prefix: str = "eval") -> dict[str, float]:
         """Evaluate the rollout's current weights on the validation prompts; metrics named ``<prefix>/...``."""
@@ -77,7 +79,7 @@ class Evaluator:
             parts.append(table)
             for uid in prompts.column(UID).to_pylist():  # never consumed by a step: forget where they went
                 rt.executor.replica_of.pop(uid, None)
-        metrics = self.metrics(parts, prefix)
+        metrics = self.metrics(pa.concat_tables(parts, promote_options="default"), prefix)
         metrics[f"{prefix}/policy_version"] = float(rt.executor.policy_version)
         return metrics
 
@@ -93,10 +95,9 @@ POLL_S = 0.5
 class BackgroundEval:
     """The evaluations of an async run, on the rollout replicas beside training (module docstring)."""
 
-    def __init__(self, runtime, replicas: int):
+    def __init__(self, runtime):
         self.runtime = runtime
         self.evaluator = Evaluator(runtime)
-        self.replicas = replicas
         nodes = self.evaluator.plan.nodes
         self.generate = next(n for n in nodes if n.step_role == "generates")
         self.scorers = [n for n in nodes if n is not self.generate]
@@ -107,21 +108,14 @@ class BackgroundEval:
 
     def start(self, step: int, prefix: str = "eval") -> None:
         """Send the validation prompts of the evaluation after ``step`` to the replicas (split evenly)."""
-        from rlpipe.stage import StageContext
-        from rlpipe.stages.generate import generation_seed
-
         if self.in_flight is not None:  # one at a time: a slower evaluation than its period skips the next
             self.skipped += 1
             return
-        rt, uids = self.runtime, set()
+        uids = set()
         params = self.generate.params.model_dump()  # the eval copy's: eval.params.generate merged in
         for prompts in self.evaluator.prompt_batches(step, prefix):
             uids.update(prompts.column(UID).to_pylist())
-            for replica, rows in enumerate(np.array_split(np.arange(prompts.num_rows), self.replicas)):
-                if len(rows):
-                    seed = generation_seed(StageContext(step=step, seed=rt.config.seed, dp_rank=replica))
-                    rt.workers.call("rollout", "service_submit", prompts.take(pa.array(rows)), params, seed,
-                                    EVAL_LANE, rank=replica)
+            submit_to_replicas(self.runtime, step, prompts, params, EVAL_LANE)
         self.in_flight = {"prefix": prefix, "step": step, "out": uids, "parts": []}
 
     def poll(self, step: int, wait_s: float = 0.0) -> None:
@@ -129,27 +123,22 @@ class BackgroundEval:
         back, log its metrics at the step it evaluates."""
         if self.in_flight is None:
             return
-        rt, flight = self.runtime, self.in_flight
-        start = time.time()
-        parts = [t for t in rt.workers.call("rollout", "service_collect", 1 if wait_s else 0, wait_s, None, EVAL_LANE)
-                 if t.num_rows]
-        if parts:
-            table = pa.concat_tables(parts)
-            rt.executor.record(step, self.generate, None, table, start, time.time() - start,
-                               {"generate/collected_rows": float(table.num_rows)})
-            scored, _ = rt.executor.run(step, table, self.scorers, extras=self.evaluator.extras)
+        flight = self.in_flight
+        scored = collect_scored(self.runtime, step, self.generate, self.scorers, 1 if wait_s else 0, wait_s,
+                                EVAL_LANE, self.evaluator.extras)
+        if scored is not None:
             flight["parts"].append(scored)
-            flight["out"].difference_update(table.column(UID).to_pylist())
+            flight["out"].difference_update(scored.column(UID).to_pylist())
         if flight["out"]:
             return
         self.in_flight, prefix = None, flight["prefix"]
         done = pa.concat_tables(flight["parts"], promote_options="default")
-        metrics = self.evaluator.metrics(flight["parts"], prefix)
+        metrics = self.evaluator.metrics(done, prefix)
         versions = pc.list_flatten(done.column(TOKEN_VERSIONS))
         metrics[f"{prefix}/policy_version"] = float(pc.min(versions).as_py())
         metrics[f"{prefix}/policy_version_max"] = float(pc.max(versions).as_py())
         metrics[f"{prefix}/skipped"] = float(self.skipped)
-        rt.observer.on_metrics(flight["step"], metrics)
+        self.runtime.observer.on_metrics(flight["step"], metrics)
 
     def after_step(self, step: int) -> None:
         """At the end of ``step``, its push done: the groups that came back scored, the next evaluation started

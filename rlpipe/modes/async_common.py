@@ -21,6 +21,7 @@ from pydantic import Field
 
 from rlpipe.engine.evaluation import BackgroundEval
 from rlpipe.engine.execution.executor import StepRun
+from rlpipe.engine.rollout_calls import collect_scored, submit_to_replicas
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.engine.state.sampler import SharedSampler
 from rlpipe.errors import ConfigError, PlanError
@@ -28,10 +29,9 @@ from rlpipe.modes.base import Mode
 from rlpipe.modes.sync import check_batch_arithmetic
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import SAMPLE_INDEX, UID
-from rlpipe.stage import StageContext, StageParams
+from rlpipe.stage import StageParams
 from rlpipe.stage_kinds import step_role_of
 from rlpipe.stages.algos.batch_io import groups_by_appearance
-from rlpipe.stages.generate import generation_seed
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class AsyncMode(Mode):
         self.last_stats: list[dict] | None = None
         self.train_extras: dict = {}
         """Extra ``ctx.extras`` of the training-side nodes (e.g. ``defer_weight_push``)."""
-        self.evaluation = BackgroundEval(runtime, self.replicas) if runtime.plan.eval is not None else None
+        self.evaluation = BackgroundEval(runtime) if runtime.plan.eval is not None else None
         """Evaluation during training (``eval:``), on the rollout replicas beside training."""
 
     def settle_pushes(self) -> None:
@@ -160,12 +160,9 @@ class AsyncMode(Mode):
         (the new ones, and prompts re-issued by a resume) to the replicas; returns how many."""
         self.add_prompts(step, count)
         pending = self.sampler("next_pending", ALL_PENDING)
-        for replica, rows in enumerate(np.array_split(np.arange(pending.num_rows), self.replicas)):
-            if len(rows):
-                self.runtime.executor.note_replicas(pending.column(UID).take(pa.array(rows)).to_pylist(), replica)
-                seed = generation_seed(StageContext(step=step, seed=self.runtime.config.seed, dp_rank=replica))
-                self.runtime.workers.call("rollout", "service_submit", pending.take(pa.array(rows)),
-                                          self.gen_params, seed, rank=replica)
+        uids = pending.column(UID)
+        for replica, rows in enumerate(submit_to_replicas(self.runtime, step, pending, self.gen_params)):
+            self.runtime.executor.note_replicas(uids.take(pa.array(rows)).to_pylist(), replica)
         return pending.num_rows
 
     def collect(self, step: int, timeout: float, min_groups: int = 1) -> int:
@@ -173,15 +170,8 @@ class AsyncMode(Mode):
 
         Waits up to ``timeout`` for ``min_groups`` per replica, so rewards are computed on
         batches rather than group by group (each round costs a task and a few actor calls)."""
-        start = time.time()
-        parts = [t for t in self.runtime.workers.call("rollout", "service_collect", min_groups, timeout) if t.num_rows]
-        if not parts:
-            return 0
-        table = pa.concat_tables(parts)
-        self.runtime.executor.record(step, self.generate_node, None, table, start, time.time() - start,
-                                     {"generate/collected_rows": float(table.num_rows)})
-        scored, _ = self.runtime.executor.run(step, table, self.head)
-        return self.sampler("add_trajectories", scored)
+        scored = collect_scored(self.runtime, step, self.generate_node, self.head, min_groups, timeout)
+        return self.sampler("add_trajectories", scored) if scored is not None else 0
 
     def rollout_report(self, step: int) -> Callable[[], dict[str, float]]:
         """Ask the rollout pool for the step's metrics now; the returned call reads them (after training)."""

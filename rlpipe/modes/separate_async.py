@@ -132,7 +132,6 @@ class SeparateAsyncMode(AsyncMode):
         self._start_feeders()
         # the trainer goes on while the replicas load a push; top-ups settle it before new prompts
         self.train_extras = {"defer_weight_push": True}
-        self._settled_aborted = 0
         total, early = rt.config.trainer.total_steps, None
         threshold = self.params.max_off_policy_threshold
         with ThreadPoolExecutor(1, thread_name_prefix="rlpipe-refill") as refills:  # one: draws stay in order

@@ -127,13 +127,11 @@ def beside(nodes: Sequence[Any], group: list[Any], role: str | None, following: 
                        rules.hooked)
 
 
-def hands_on(nodes: Sequence[Any], at: int, group: list[Any], rules: CallRules) -> bool:
-    """Whether the worker chain ``group`` at ``nodes[at]`` gives its last table straight to the next call: that
-    call is a worker chain without a mode hook, and nothing the driver does after ``group`` can change what the
-    next one is given (no driver node in ``group``: a weight push bumps the policy version of the contexts)."""
-    after = at + len(group)
-    following, next_role = fusable(nodes, after, rules) if after < len(nodes) else ([], None)
-    return (_is_worker_chain(following, next_role) and not rules.hooked(following[0])
+def hands_on(group: list[Any], following: list[Any], following_role: str | None, rules: CallRules) -> bool:
+    """Whether the worker chain ``group`` gives its last table straight to the call after it, ``following``:
+    that call is a worker chain without a mode hook, and nothing the driver does after ``group`` can change what
+    the next one is given (no driver node in ``group``: a weight push bumps the policy version of the contexts)."""
+    return (_is_worker_chain(following, following_role) and not rules.hooked(following[0])
             and all(n.spec.placement != "driver" for n in group))
 
 
@@ -147,7 +145,8 @@ def compile_calls(nodes: Sequence[Any], rules: CallRules) -> tuple[Call, ...]:
         after = i + len(group)
         pair = fusable(nodes, after, rules) if after < len(nodes) else None
         starts_beside = not handed and pair is not None and beside(nodes, group, role, *pair, rules)
-        gives = _is_worker_chain(group, role) and not starts_beside and hands_on(nodes, i, group, rules)
+        gives = (_is_worker_chain(group, role) and not starts_beside and pair is not None
+                 and hands_on(group, *pair, rules))
         calls.append(Call(tuple(group), i, role if _is_worker_chain(group, role) else None, gives))
         if starts_beside:
             second, second_role = pair
