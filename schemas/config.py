@@ -9,37 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlpipe.plugin_files import PluginFile
-
-
-def refuse_bool_for_number(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
-    """YAML's ``true`` is not a number: a bool given for an int/float field (``total_steps: true``,
-    which pydantic would read as 1) is an error naming the field. A quoted string for an integer field
-    (``total_steps: "5"``) is refused too. Strings stay allowed for floats: YAML 1.1 reads ``1e-5``
-    (no dot) as a string, and pydantic parses it, as users expect."""
-    if isinstance(value, (bool, str)) and info.field_name:
-        annotation = model.model_fields[info.field_name].annotation
-        kinds = {annotation, *getattr(annotation, "__args__", ())}
-        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
-            raise ValueError(f"expected a number, got the boolean {str(value).lower()}; write a number")
-        if isinstance(value, str) and int in kinds and not kinds & {str, float, bool}:
-            raise ValueError(f"expected an integer, got the string {value!r}; write the number without quotes")
-    return value
-
-
-class Strict(BaseModel):
-    """Base of every config model: unknown keys are errors, field docstrings are descriptions,
-    ``inf``/``nan`` are refused wherever a float is configured (``allow_inf_nan=False``), so a
-    non-finite learning rate never reaches the optimizer, and booleans are refused for numbers."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        return refuse_bool_for_number(cls, value, info)
+from rlpipe.schemas.lora import LoRAConfig
+from rlpipe.schemas.strict import Strict, refuse_bool_for_number  # noqa: F401  (re-exported: their old home)
 
 
 class TokenizerConfig(Strict):
@@ -192,6 +166,8 @@ class TrainerConfig(Strict):
     """Optimizer settings."""
     lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
     """Learning-rate schedule."""
+    lora: LoRAConfig | None = None
+    """Train LoRA adapters instead of the whole policy (see `trainer.lora`; docs/lora.md); None: full fine-tuning."""
     checkpoint_every: int | None = Field(None, ge=0)
     """Write a resumable checkpoint every N steps to <output_dir>/<run>/checkpoints/step_<N>, and one at the
     end (0 = never); None (the default): every 50 steps (`DEFAULT_CHECKPOINT_EVERY`), or never with

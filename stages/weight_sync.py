@@ -21,7 +21,9 @@ deferred, the engine copies the trainer's parameters in directly (``LocalTensors
 
 Metrics per push: ``weight_sync/{export_s,transport_s,load_s,cache_reset_s,resume_s}``
 (slowest replica), ``bytes``, ``buckets``, ``mb_per_s`` (bytes over the whole push as
-the trainer waits for it), ``version``, ``aborted_requests``.
+the trainer waits for it), ``version``, ``aborted_requests``, ``push_s``; with ``trainer.lora``
+a push carries the adapters only (``bytes``) and ``full_model_bytes`` says what the whole
+model would have weighed.
 
 Deferred push (``separate_async``: the extra ``defer_weight_push``): the stage
 returns once the trainer exported its weights and bumped the version; the
@@ -97,6 +99,8 @@ def _push_metrics(stats: list[dict], elapsed: float) -> dict[str, float]:
     for key in _REPLICA_BOUNDARIES:  # the slowest replica
         metrics[f"weight_sync/{key}"] = max(float(s[key]) for s in stats)
     metrics["weight_sync/aborted_requests"] = float(sum(s["aborted"] for s in stats))
+    if "full_model_bytes" in stats[0]:  # trainer.lora: the push carried adapters; what the whole model would weigh
+        metrics["weight_sync/full_model_bytes"] = float(stats[0]["full_model_bytes"])
     metrics["weight_sync/push_s"] = elapsed
     metrics["weight_sync/mb_per_s"] = stats[0]["bytes"] / 1e6 / max(elapsed, 1e-9)
     return metrics

@@ -14,9 +14,12 @@ the same order up to float rounding: RMSNorm in float32, rotary embeddings from 
   (the trainer's shared-prompt forward, ``rlpipe.stages.logprobs``).
 
 It reads the parameters through the model's modules at each call, so weight pushes (copied in place)
-and sleep/wake (which rebinds ``param.data``) need nothing from it. :func:`lean_unsupported` says why a
-model cannot take it (another family, sliding-window layers, a rotary embedding that changes with the
-sequence length, an FSDP-sharded model); callers fall back to the model's own forward.
+and sleep/wake (which rebinds ``param.data``) need nothing from it. A projection that is a LoRA adapter
+(``rlpipe.backends.lora.LoRALinear``, the trainer's ``trainer.lora``) adds its low-rank delta to the base
+product (``_project``), so a LoRA trainer keeps this forward's speed and computes what the adapted model does.
+:func:`lean_unsupported` says why a model cannot take it (another family, sliding-window layers, a rotary
+embedding that changes with the sequence length, an FSDP-sharded model); callers fall back to the model's own
+forward.
 
 Left out: sliding-window attention, dynamic / long-rope rotary scaling, attention or logit soft-capping
 (not in these families), dropout (inference and RL updates run without it here), and hooks registered on
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from rlpipe.backends.lora import LoRALinear
 
 FAMILIES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 """Model classes whose forward this module reproduces."""
@@ -60,8 +65,10 @@ def lean_unsupported(model: torch.nn.Module) -> str | None:
     for layer in model.model.layers:
         modules = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
-        if any(type(m) is not torch.nn.Linear for m in modules):  # e.g. adapters wrapped around them
-            return "a projection is not a plain Linear (adapters or quantized layers)"
+        if any(type(m) not in (torch.nn.Linear, LoRALinear) for m in modules):  # e.g. quantized layers
+            return "a projection is not a plain Linear nor a LoRA adapter of rlpipe.backends.lora (quantized?)"
+    if type(model.lm_head) is not torch.nn.Linear:
+        return "the LM head is not a plain Linear"
     return None
 
 
@@ -229,9 +236,9 @@ class LeanForward:
         x = self.embed(input_ids)  # the module: hooks on the input embeddings (token counters, tests) still see it
         for index, layer in enumerate(self.layers):
             h = self._rms(layer.input_norm, x)
-            q = F.linear(h, layer.q.weight, layer.q.bias).view(batch, width, self.heads, self.head_dim)
-            k = F.linear(h, layer.k.weight, layer.k.bias).view(batch, width, self.kv_heads, self.head_dim)
-            v = F.linear(h, layer.v.weight, layer.v.bias).view(batch, width, self.kv_heads, self.head_dim)
+            q = _project(layer.q, h).view(batch, width, self.heads, self.head_dim)
+            k = _project(layer.k, h).view(batch, width, self.kv_heads, self.head_dim)
+            v = _project(layer.v, h).view(batch, width, self.kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = (k * cos + _rotate_half(k) * sin).transpose(1, 2)
             v = v.transpose(1, 2)
@@ -241,10 +248,10 @@ class LeanForward:
             q = q.transpose(1, 2).reshape(batch, self.kv_heads, self.groups * width, self.head_dim)
             out = _attend(q, k, v, mask, self.scaling)
             out = out.view(batch, self.heads, width, self.head_dim).transpose(1, 2).reshape(batch, width, -1)
-            x = x + F.linear(out, layer.o.weight, layer.o.bias)
+            x = x + _project(layer.o, out)
             h = self._rms(layer.post_norm, x)
-            gated = F.silu(F.linear(h, layer.gate.weight, layer.gate.bias)) * F.linear(h, layer.up.weight, layer.up.bias)
-            x = x + F.linear(gated, layer.down.weight, layer.down.bias)
+            gated = F.silu(_project(layer.gate, h)) * _project(layer.up, h)
+            x = x + _project(layer.down, gated)
         if cache is not None:
             cache.advance(width)
         if logits_at is not None:
@@ -272,6 +279,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _project(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` with plain tensor calls: the weight read directly, plus the low-rank delta of a LoRA adapter
+    (the trainer's adapted projections; the rollout engine merges its adapters into plain weights instead)."""
+    out = F.linear(x, module.weight, module.bias)
+    return out if type(module) is torch.nn.Linear else out + module.delta(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,10 @@ class Runtime:
         self._initial_sync()
 
     def _initial_sync(self) -> None:
-        """Version 0 everywhere: rollout and reference start from the trainer's weights."""
+        """Version 0 everywhere: rollout and reference start from the trainer's weights. With trainer.lora the push
+        holds the (zero-delta) adapters and the reference keeps the base it built, which is a LoRA run's reference."""
         buckets = self.workers.call_async("actor", "export_weights")[0]
-        for role in ("rollout", "ref"):
+        for role in ("rollout",) if self.config.trainer.lora is not None else ("rollout", "ref"):
             if self.workers.has_role(role):
                 self.workers.call(role, "load_weights", buckets, 0)
 

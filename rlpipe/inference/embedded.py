@@ -21,7 +21,10 @@ Versions (SPEC R6): the engine holds the policy ``version`` of its weights and
 stamps every token it samples with it. A push (``load_weights``) is refused
 while requests are in flight; callers ``abort_all()`` first and resubmit the
 partial trajectories, which are re-prefilled under the new weights (the old KV
-cache is invalid), so their versions switch exactly at the push.
+cache is invalid), so their versions switch exactly at the push. With ``trainer.lora``
+a push carries only the adapters: the engine keeps the base weights of the adapted
+layers and merges each push into its model (``rlpipe.backends.lora.MergedAdapter``),
+so decoding runs on plain weights at full speed.
 
 Requests of one cohort with equal tokens (the n samples of a prompt) are prefilled
 once and share the KV rows. Left out: greedy decoding (temperature must be > 0), stop
@@ -54,6 +57,7 @@ from rlpipe.inference.contract import (
     validate_request,
 )
 from rlpipe.backends.lean_forward import LeanForward, StaticKV, lean_unsupported
+from rlpipe.backends.lora import MergedAdapter
 from rlpipe.backends.weights import LocalTensors, WeightBucket, load_buckets, load_tensors
 from rlpipe.jagged import distinct_rows
 
@@ -92,8 +96,10 @@ class EmbeddedEngine(RolloutEngine):
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0,
-                 lean: bool = True):
+                 lean: bool = True, adapter: MergedAdapter | None = None):
         self.model = model.eval()
+        self.adapter = adapter
+        """With trainer.lora: the kept base weights into which every push (adapters only) is merged."""
         reason = lean_unsupported(model) if lean else "turned off"
         self.forward: _HFForward | _LeanForward = _LeanForward(model) if reason is None else _HFForward(model)
         """How the cohort forwards run, chosen once: the lean forward (rlpipe.backends.lean_forward) for the
@@ -187,7 +193,9 @@ class EmbeddedEngine(RolloutEngine):
         self._check_push(version)
         start = time.perf_counter()
         self._reallocate()
-        if isinstance(buckets, LocalTensors):
+        if self.adapter is not None:  # adapters only: each adapted weight becomes W0 + scale·B·A, from the kept W0
+            self.adapter.load(buckets)
+        elif isinstance(buckets, LocalTensors):
             load_tensors(self.model, buckets.tensors)
         else:
             load_buckets(self.model, buckets)
@@ -213,10 +221,14 @@ class EmbeddedEngine(RolloutEngine):
         if self.num_running():
             raise EngineError("abort or finish in-flight requests before sleep()")
         if discard_weights and self._discarded is None:
+            # with an adapter a push brings A and B only: just the merged weights can be dropped (the next push
+            # recomputes them from the kept base); the others stay
+            droppable = None if self.adapter is None else set(self.adapter.weight_names)
             self._discarded = {}
             for name, param in self.model.named_parameters():
-                self._discarded[name] = param.shape
-                param.data = torch.empty(0, dtype=param.dtype)
+                if droppable is None or name in droppable:
+                    self._discarded[name] = param.shape
+                    param.data = torch.empty(0, dtype=param.dtype)
         self._asleep = True
 
     def wake(self) -> None:
@@ -236,7 +248,8 @@ class EmbeddedEngine(RolloutEngine):
         if self._discarded is None:
             return
         for name, param in self.model.named_parameters():
-            param.data = torch.empty(self._discarded[name], dtype=param.dtype)
+            if name in self._discarded:
+                param.data = torch.empty(self._discarded[name], dtype=param.dtype)
 
     def _check_ready(self) -> None:
         if self._asleep:

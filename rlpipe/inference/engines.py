@@ -39,6 +39,9 @@ class EngineInputs:
     dir and its log there)."""
     name: str
     """How errors name the replica, e.g. ``rollout replica 0``."""
+    lora: Any = None
+    """``trainer.lora`` or None: the embedded engine keeps the base and merges each pushed adapter (the plan check
+    refuses LoRA with the server engines)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,10 @@ class EngineSpec:
 def _embedded(inputs: EngineInputs) -> RolloutEngine:
     from rlpipe.inference.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(inputs.model, inputs.tokenizer)
+    from rlpipe.backends.lora import MergedAdapter
+
+    adapter = MergedAdapter(inputs.model, inputs.lora) if inputs.lora is not None else None
+    return EmbeddedEngine(inputs.model, inputs.tokenizer, adapter=adapter)
 
 
 ROLLOUT_ENGINES.add("embedded", EngineSpec(_embedded))

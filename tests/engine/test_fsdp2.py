@@ -5,7 +5,9 @@ on each rank's rows). Checked on the ranks: the parameters after the update equa
 replicated trainer's on the whole batch (1e-5), also when the ranks hold different numbers of rows
 (and so of micro-batches: the short rank runs idle passes); each rank holds about half of the
 parameters and of AdamW's moments; the weight-sync export (one all-gather per tensor, rank 0 packs)
-equals the single-process export layout; a per-rank checkpoint resumes to the same next update.
+equals the single-process export layout; a per-rank checkpoint resumes to the same next update. With trainer.lora
+(case ``lora``) the adapters shard with the frozen base: the update equals the unsharded LoRA trainer's, AdamW holds
+the adapters' moments only, a push carries the adapters only and the merged save is a plain model.
 """
 
 import time
@@ -19,19 +21,23 @@ from test_dp_invariant import CASES, config, free_address, full_batch, single_pr
 
 from rlpipe.engine.state.train_state import TrainState
 from rlpipe.errors import ConfigError
+from rlpipe.schemas.lora import LoRAConfig
 from rlpipe.stage import StageContext, stage_registry
 from rlpipe.stages import update  # noqa: F401  (registers update/ppo before the ranks fork)
 
 # the dp-invariant cases (equal rows per rank) plus one with 5 / 3 rows (3 / 2 micro-batches of 2)
 ROWS = {case: ([0, 3, 5, 6], [1, 2, 4, 7]) for case in CASES}
 ROWS["uneven-rows"] = ([0, 3, 5, 6, 1], [2, 4, 7])
-SHAPES = {**CASES, "uneven-rows": ("token-mean", None, 1, 2)}
+ROWS["lora"] = ROWS["token-mean"]  # trainer.lora: FSDP2 shards the adapters with the frozen base
+SHAPES = {**CASES, "uneven-rows": ("token-mean", None, 1, 2), "lora": CASES["token-mean"]}
 
 
 def fsdp_config(case: str, dp_size: int, backend: str = "fsdp2"):
     base = case if case in CASES else "token-mean"
     cfg = config(base, dp_size)
     cfg.trainer.backend = backend
+    if case == "lora":
+        cfg.trainer.lora = LoRAConfig(rank=4, target_modules=["q_proj", "v_proj", "down_proj"])
     if dp_size > 1:
         cfg.trainer.micro_batch_size = SHAPES[case][3]
     return cfg
@@ -56,9 +62,9 @@ def _rank_main(rank: int, address: str, out_dir: str) -> None:
         buckets = state.export_weights()
         result = {"params": full, "metrics": metrics, "local_params": local_params, "moments": moments,
                   "buckets": buckets}
-        if case == "token-mean":
-            state.save_hf(f"{out_dir}/hf")
-            prefix = f"{out_dir}/ckpt-actor"
+        if case in ("token-mean", "lora"):  # lora: the merged save; every rank takes part in the gathers
+            state.save_hf(f"{out_dir}/hf" if case == "token-mean" else f"{out_dir}/lora-hf")
+            prefix = f"{out_dir}/ckpt-{case}-actor"
             state.save_checkpoint(prefix)
             run(state, case, ROWS[case][rank])
             result["continued"] = [t.clone() for _, t in state.backend.full_parameters(state.model)]
@@ -136,12 +142,30 @@ def test_save_hf_gathers_the_sharded_model_on_rank_0(fsdp_results):
         assert torch.equal(p_saved.detach(), p_rank)
 
 
-def test_sharded_checkpoint_resumes_to_the_same_next_update(fsdp_results):
+@pytest.mark.parametrize("case", ["token-mean", "lora"])
+def test_sharded_checkpoint_resumes_to_the_same_next_update(fsdp_results, case):
     _, ranks, _ = fsdp_results
     for rank in (0, 1):
-        r = ranks["token-mean"][rank]
+        r = ranks[case][rank]
         for cont, res in zip(r["continued"], r["resumed"], strict=True):
             assert torch.equal(cont, res)
+
+
+def test_lora_on_fsdp2_shards_only_the_adapters_state_and_pushes_only_them(fsdp_results):
+    from transformers import AutoModelForCausalLM
+
+    singles, ranks, out_dir = fsdp_results
+    rank0, rank1 = ranks["lora"]
+    # 2 layers of q and v (rank 4 x (32 in + 32 out)) and down_proj (4 x (64 + 32))
+    adapters = 2 * (2 * 4 * (32 + 32) + 4 * (64 + 32))
+    assert rank0["moments"] + rank1["moments"] == 2 * adapters  # AdamW moments of the adapters only, sharded
+    assert rank1["buckets"] is None
+    pushed = [m.name for b in rank0["buckets"] for m in b.tensors]
+    assert pushed == [m.name for b in singles["lora"]["buckets"] for m in b.tensors]
+    assert len(pushed) == 2 * 3 * 2 and all(n.endswith(("lora_A", "lora_B")) for n in pushed)
+    merged = AutoModelForCausalLM.from_pretrained(out_dir / "lora-hf")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert singles["lora"]["total"] - adapters == sum(p.numel() for p in merged.parameters())
 
 
 def test_a_sharded_checkpoint_is_refused_by_another_layout(tmp_path):

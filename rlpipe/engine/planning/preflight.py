@@ -18,7 +18,10 @@ traceback minutes into a run:
 * a generate stage attached to running servers (``params.server.urls``) names one per rollout
   replica (``resources.rollout_replicas``);
 * per-node checks a stage registers (``StageSpec.check``, e.g. group estimators need
-  ``n ≥ 2``).
+  ``n ≥ 2``);
+* ``trainer.lora``: every ``target_modules`` name is a linear module of the model (its modules listed from the
+  config alone: built on the meta device, no weight read), and the rollout engine is the embedded one (the
+  only engine that takes adapter pushes so far).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def check_plan(config, plan) -> None:
     """Checks that need the planned nodes."""
     check_positions(config, plan)
     check_server_urls(config, plan)
+    check_lora(config, plan)
     for field, data in (("data", config.data), ("eval.data", config.eval.data if config.eval else None)):
         preview = preview_dataset(data.source, data.params, int(data.check_whole_files_mb * 2**20)) if data else None
         if preview is None:
@@ -140,6 +144,25 @@ def check_prompt_lengths(rows, config, data=None, field: str = "data", places=No
             f"{field}: the prompt of {where} of dataset {data.source!r} has {lengths[first]} tokens > "
             f"{field}.max_prompt_length={limit} ({len(too_long)} of the {len(lengths)} rows checked are too long); raise "
             f"{field}.max_prompt_length or filter the dataset")
+
+
+def check_lora(config, plan) -> None:
+    """``trainer.lora`` names linear modules the model has, and the rollout engine can take adapter pushes."""
+    lora = config.trainer.lora
+    if lora is None:
+        return
+    generate = plan.anchor("generates")
+    if generate is not None and generate.impl in ("vllm", "sglang"):
+        raise ConfigError(f"trainer.lora: stages[{generate.name}] impl {generate.impl} cannot take adapter pushes yet "
+                          "(only the embedded engine merges them); use impl: embedded, or drop trainer.lora")
+    from rlpipe.backends.lora import linear_module_names
+
+    model_class, names = linear_module_names(config.model)
+    missing = [n for n in lora.target_modules if n not in names]
+    if missing:
+        raise ConfigError(f"trainer.lora.target_modules: {', '.join(map(repr, missing))} is not a linear module of "
+                          f"{model_class} (its linear modules, LM head aside: {', '.join(sorted(names))}); use those "
+                          "names")
 
 
 def check_server_urls(config, plan) -> None:

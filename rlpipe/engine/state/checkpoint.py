@@ -181,8 +181,13 @@ def _check_free_disk(runtime, path: Path) -> None:
 
 def model_bytes(runtime) -> int:
     """Size of the policy's weights as saved: a third of the trainers' checkpoint estimate (weights + AdamW's two
-    moments), summed over the ranks when they hold shards, one rank's when each holds the whole model."""
-    per_rank = runtime.workers.call("actor", "checkpoint_bytes")
+    moments), summed over the ranks when they hold shards, one rank's when each holds the whole model. With
+    trainer.lora the checkpoint holds the adapters only, so the trainers say what they save (a merged model is
+    whole)."""
+    if runtime.config.trainer.lora is not None:
+        per_rank = [3 * n for n in runtime.workers.call("actor", "saved_model_bytes")]
+    else:
+        per_rank = runtime.workers.call("actor", "checkpoint_bytes")
     return (max(per_rank) if runtime.config.trainer.backend == "replicated" else sum(per_rank)) // 3
 
 

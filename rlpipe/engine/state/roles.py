@@ -84,7 +84,10 @@ class RolloutState:
         self._loads_local = impl == "embedded"
         """Its engine copies a :class:`LocalTensors` push straight in (server engines take buckets)."""
         workdir = os.path.join(tempfile.gettempdir(), f"rlpipe-{config.name}-rollout{rank}-{os.getpid()}")
-        inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}")
+        self._full_bytes = _full_push_bytes(model, config) if config.trainer.lora is not None else None
+        """With trainer.lora: the bytes a whole-model push would carry (the weight_sync/full_model_bytes metric)."""
+        inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}",
+                              lora=config.trainer.lora)
         engine = build_engine(impl, inputs)
         # the agent (generate.params.agent) wraps the engine: generate, the rollout service and pushes drive it alike
         self.engine = engine if params is None else build_agent(engine, self.tokenizer, params)
@@ -152,6 +155,8 @@ class RolloutState:
         if sent is not None:  # loaded: the base of the next delta
             self._delta_receiver.commit(tuple(buckets))
         cache_reset_s = float((loaded or {}).get("cache_reset_s", 0.0))
+        if self._full_bytes is not None:
+            stats["full_model_bytes"] = self._full_bytes
         return {**stats, "aborted": float(aborted), "quiesce_s": t1 - t0, "load_s": t2 - t1 - cache_reset_s,
                 "cache_reset_s": cache_reset_s, "resume_s": t3 - t2}
 
@@ -283,6 +288,13 @@ class RolloutState:
         self.engine.close()
 
 
+def _full_push_bytes(model: torch.nn.Module, config: PipelineConfig) -> float:
+    """Bytes of a whole-model push of ``model`` from the trainer (parameters in ``model.dtype``, tied ones once)."""
+    from rlpipe.backends.model import torch_dtype
+
+    return float(sum(p.numel() for p in model.parameters()) * torch_dtype(config.model.dtype).itemsize)
+
+
 def _generate_stage(config: PipelineConfig) -> tuple[str, Any]:
     """The engine a replica runs (the generate stage's impl when it names one) and that stage's params."""
     from rlpipe.stage import stage_registry
@@ -327,7 +339,8 @@ def _build_critic(config: PipelineConfig, rank: int, world_size: int, dist_addre
     """A trainer whose model is the policy backbone with a value head (initialized from the policy)."""
     from rlpipe.stages.critic import CriticModel
 
-    return TrainState(config, rank, world_size, dist_address,
+    # trainer.lora is the actor's: the critic trains its whole model
+    return TrainState(config, rank, world_size, dist_address, adapters=False,
                       model_factory=lambda tok: CriticModel(build_model(config.model, tok, config.seed)))
 
 

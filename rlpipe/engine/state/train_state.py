@@ -6,6 +6,11 @@ by :meth:`TrainState.optimizer_step`: losses are normalized by global token or
 sequence counts agreed before the backward pass (see
 ``rlpipe.stages.algos.policy_loss``), so the sum is the exact full-batch
 gradient whatever the micro-batch and DP split.
+
+With ``trainer.lora`` the actor's targeted layers get LoRA adapters before the
+backend wraps the model (``rlpipe.backends.lora``): only they train, AdamW holds
+only theirs, pushes carry only them, and checkpoints and saved models are written
+by ``rlpipe.backends.lora_export``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from rlpipe.backends.lora import apply_lora, is_adapter
+from rlpipe.backends.lora_export import check_lora_checkpoint, lora_checkpoint, save_lora_model
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weights import LocalTensors, WeightPush, pack_buckets
@@ -67,7 +74,7 @@ class TrainState:
     """Model + optimizer + schedule + DP group of one trainer rank."""
 
     def __init__(self, config: PipelineConfig, rank: int, world_size: int, dist_address: str | None,
-                 model_factory: Callable[[Any], torch.nn.Module] | None = None):
+                 model_factory: Callable[[Any], torch.nn.Module] | None = None, adapters: bool = True):
         configure_process(config)
         torch.manual_seed(config.seed)
         self.config = config
@@ -82,6 +89,10 @@ class TrainState:
         self.backend = TRAINER_BACKENDS.get(config.trainer.backend)
         self.model = factory(self.tokenizer).to(self.device)
         self.model.train()
+        self.lora = config.trainer.lora if adapters else None
+        """``trainer.lora`` when this trainer trains adapters only (the actor; a critic passes ``adapters=False``)."""
+        if self.lora is not None:  # before sharding: FSDP2 then shards the adapters like any parameter
+            apply_lora(self.model, self.lora, config.seed)
         if world_size > 1:
             self._join_group(dist_address)
         self.model = self.backend.wrap(self.model, world_size)
@@ -89,8 +100,9 @@ class TrainState:
         # torch's fused AdamW: one kernel over all parameters (~5x the multi-tensor loop's speed on CPU at 24M
         # parameters); the sharded backends' DTensor parameters keep the default implementation
         fused = config.trainer.backend == "replicated" and self.device.type in ("cpu", "cuda")
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay,
+        self.optimizer = torch.optim.AdamW(  # only what trains: with trainer.lora the adapters alone
+            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=opt.betas, eps=opt.eps,
+            weight_decay=opt.weight_decay,
             **({"fused": True} if fused else {}),
         )
         self.total_updates = config.trainer.total_steps * updates_per_step(config)
@@ -200,7 +212,8 @@ class TrainState:
         return False
 
     def _check_parameters(self) -> None:
-        bad = [name for name, p in self.model.named_parameters() if not bool(torch.isfinite(self.backend.local(p)).all())]
+        bad = [name for name, p in self.model.named_parameters()
+               if p.requires_grad and not bool(torch.isfinite(self.backend.local(p)).all())]
         if self.backend.sharded and self.world_size > 1:  # every rank raises, none waits in a collective
             flags = self.all_reduce_sum(torch.tensor([float(bool(bad))], dtype=torch.float64))
             bad = bad or (["<a shard on another rank>"] if flags.item() else [])
@@ -231,10 +244,15 @@ class TrainState:
         """
         if self.rank != 0:
             if self.backend.sharded:
-                for _ in self.backend.full_parameters(self.model):
+                for _ in self.pushed_parameters():
                     pass  # take part in every gather
             return None
-        return pack_buckets(self.backend.full_parameters(self.model))
+        return pack_buckets(self.pushed_parameters())
+
+    def pushed_parameters(self):
+        """(name, full tensor) of what a push carries, one at a time: every parameter, or with trainer.lora the
+        adapters alone (the engines keep the base). Call on every rank of a sharded backend (gathers)."""
+        return self.backend.full_parameters(self.model, is_adapter if self.lora is not None else None)
 
     def export_for_push(self) -> WeightPush | None:
         """``export_weights`` timed, for a weight push (boundary 1 of weight sync); None off rank 0."""
@@ -253,7 +271,7 @@ class TrainState:
         if self.rank != 0:
             return None
         start = time.perf_counter()
-        tensors = tuple(self.backend.full_parameters(self.model))
+        tensors = tuple(self.pushed_parameters())
         return LocalTensors(tensors, export_s=time.perf_counter() - start)
 
     def export_delta_push(self, full_every: int):
@@ -300,6 +318,8 @@ class TrainState:
         """Save the policy as a HF model directory on rank 0 (call on every rank: a sharded model is gathered)."""
         from rlpipe.backends.model import save_hf_model
 
+        if self.lora is not None:
+            return save_lora_model(self, path)
         if self.backend.sharded:  # every rank takes part in each gather; only rank 0 keeps (and saves) a copy
             gathered = self.backend.full_parameters(self.model)
             if self.rank != 0:
@@ -336,8 +356,9 @@ class TrainState:
         local = self.backend.local
         optimizer = self.optimizer.state_dict()
         optimizer["state"] = {k: {n: local(v) for n, v in st.items()} for k, st in optimizer["state"].items()}
+        model = {k: local(v) for k, v in self.model.state_dict().items()}
         return {
-            "model": {k: local(v) for k, v in self.model.state_dict().items()},
+            **(lora_checkpoint(self, model) if self.lora is not None else {"model": model}),
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "local_updates": self.local_updates,
@@ -390,8 +411,19 @@ class TrainState:
             return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
     def checkpoint_bytes(self) -> int:
-        """Estimated size of this rank's checkpoint: the model plus AdamW's two moments."""
-        return 3 * sum(self.backend.local(p).numel() * p.element_size() for p in self.model.parameters())
+        """Estimated size of this rank's checkpoint: the model (with trainer.lora: the adapters) plus AdamW's two
+        moments."""
+        return 3 * sum(self.backend.local(p).numel() * p.element_size() for p in self.model.parameters()
+                       if p.requires_grad or self.lora is None)
+
+    def saved_model_bytes(self) -> int:
+        """This rank's share of the model :meth:`save_hf` writes: every parameter; with trainer.lora the base's
+        (export ``merged``) or the adapters alone (export ``adapter``)."""
+        def saved(name: str) -> bool:
+            return self.lora is None or is_adapter(name) == (self.lora.export == "adapter")
+
+        return sum(self.backend.local(p).numel() * p.element_size() for n, p in self.model.named_parameters()
+                   if saved(n))
 
     def load_state_dict(self, state: dict) -> None:
         layout = state.get("layout", {"backend": "replicated", "world_size": self.world_size})
@@ -402,10 +434,11 @@ class TrainState:
                 f"runs {self.config.trainer.backend} on {self.world_size}; resume with the same trainer.backend and "
                 "trainer.dp_size (resharding a checkpoint is not implemented)"
             )
+        check_lora_checkpoint(self, state)  # adapters only load onto the base they were trained on
         if self.backend.sharded:
             self._load_sharded(state)
         else:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(state["model"], strict=self.lora is None)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.local_updates = state["local_updates"]
@@ -417,7 +450,7 @@ class TrainState:
         """Copy local shards into the DTensors of the model and re-wrap the optimizer's moments as DTensors."""
         from torch.distributed.tensor import DTensor
 
-        current = self.model.state_dict()
+        current = {k: v for k, v in self.model.state_dict().items() if self.lora is None or is_adapter(k)}
         if set(current) != set(state["model"]):
             raise ConfigError(f"checkpoint and model differ in names: {sorted(set(current) ^ set(state['model']))[:3]}")
         for name, value in current.items():

@@ -26,7 +26,7 @@ sits above the states it builds.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,10 +65,13 @@ class ReplicatedBackend:
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
 
-    def full_parameters(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) of every parameter, one at a time (tied ones once)."""
+    def full_parameters(self, model: torch.nn.Module,
+                        only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every parameter (those whose name ``only`` accepts), one at a time (tied ones
+        once)."""
         for name, p in model.named_parameters():
-            yield name, p.detach()
+            if only is None or only(name):
+                yield name, p.detach()
 
     def local(self, tensor):
         """This rank's part of ``tensor`` as a plain tensor."""
@@ -112,10 +115,12 @@ class FSDP2Backend(ReplicatedBackend):
     def reduce_gradients(self, params: list[torch.nn.Parameter], world_size: int) -> None:
         """Nothing to do: FSDP2 reduce-scattered (summed) every gradient during the backward."""
 
-    def full_parameters(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_parameters(self, model: torch.nn.Module,
+                        only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """All-gathers one parameter at a time (every rank must iterate in step)."""
         for name, p in model.named_parameters():
-            yield name, self.full(p.detach())
+            if only is None or only(name):
+                yield name, self.full(p.detach())
 
 
 class MegatronBackend(ReplicatedBackend):
@@ -134,6 +139,9 @@ class MegatronBackend(ReplicatedBackend):
         if config.trainer.checkpoint_every:
             raise ConfigError("trainer.backend megatron does not write checkpoints (megatron's distributed "
                               "checkpointing is not wired in); set trainer.checkpoint_every: 0")
+        if config.trainer.lora is not None:
+            raise ConfigError("trainer.lora is not implemented for trainer.backend megatron (megatron-core has its own "
+                              "GPTModel layers); use trainer.backend replicated or fsdp2, or drop trainer.lora")
         critics = [s.kind for s in config.stages if s.kind.startswith("critic")]
         if critics:
             raise ConfigError(f"trainer.backend megatron trains the actor only; the pipeline has {critics[0]} "
@@ -145,8 +153,9 @@ class MegatronBackend(ReplicatedBackend):
     def wrap(self, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
         raise ConfigError("trainer.backend megatron builds its own model (MegatronTrainState); it wraps no torch module")
 
-    def full_parameters(self, model) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF names of the GPTModel's weights (fused QKV and gate/up split back)."""
+    def full_parameters(self, model, only=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF names of the GPTModel's weights (fused QKV and gate/up split back); ``only`` is not used (LoRA is
+        refused by :meth:`check`)."""
         yield from model.named_hf_parameters()
 
 
