@@ -1,4 +1,4 @@
-"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, spool replay, vllm-serve."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, simulate, spool replay, vllm-serve."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlpipe import cli_lineage
+from rlpipe import cli_lineage, cli_simulate
 from rlpipe.errors import ConfigError, RlpipeError
 
 console = Console(stderr=True)
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="import a plugin file first (as a pipeline's plugins: do), so its kinds and impls show; "
                              "repeatable")
     cli_lineage.add_commands(sub)
+    cli_simulate.add_commands(sub)
     spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
     spool_sub = spool.add_subparsers(dest="spool_command", required=True)
     replay = spool_sub.add_parser("replay", help="send a run's spooled tracking calls to MLflow, into the same run")
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                         where)
         if args.command in ("lineage", "replay", "runs"):
             return cli_lineage.run_command(args)
+        if args.command == "simulate":
+            return cli_simulate.run_command(args)
         if args.command == "spool":
             return _spool_replay(args.path, args.tracking_uri)
         if args.command == "vllm-serve":

@@ -17,7 +17,7 @@ from typing import Callable, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from rlpipe.engine.evaluation import BackgroundEval
 from rlpipe.engine.execution.executor import StepRun
@@ -26,6 +26,7 @@ from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.engine.state.sampler import SharedSampler
 from rlpipe.errors import ConfigError, PlanError
 from rlpipe.modes.base import Mode
+from rlpipe.modes.feasibility import progress_blockers, refusing
 from rlpipe.modes.sync import check_batch_arithmetic
 from rlpipe.registry import registry
 from rlpipe.schemas.batch import SAMPLE_INDEX, UID
@@ -73,6 +74,7 @@ def check_async(config, plan) -> None:
     """Constraints common to the async modes, with what to change."""
     check_batch_arithmetic(config)
     split_plan(plan)
+    check_progress(config, plan)
     for node in plan.nodes:
         if node.step_role == "scores" and node.spec.placement == "worker" and node.spec.role in ("actor", "rollout"):
             raise ConfigError(
@@ -82,18 +84,37 @@ def check_async(config, plan) -> None:
             )
 
 
-def build_sampler(config, rank: int, world_size: int, dist_address: str | None):
-    """The ``sampler`` role: the registered sampler built from the mode's params."""
-    params = registry("mode").get(config.mode).Params.model_validate(config.mode_params)
+def sampler_settings(config, mode_params=None):
+    """The registered sampler class of the mode's params and the params the ``sampler`` role builds it with."""
+    params = mode_params or registry("mode").get(config.mode).Params.model_validate(config.mode_params)
     generate = next(s for s in config.stages if step_role_of(s.kind) == "generates")
     cls = registry("sampler").get(params.sampler)
     filter_groups = any(step_role_of(s.kind) == "selects_groups" for s in config.stages)
-    return SharedSampler(cls(cls.Params.model_validate({
+    return cls, cls.Params.model_validate({
         "max_off_policy_threshold": params.max_off_policy_threshold, "strategy": params.strategy,
         "capacity_steps": params.capacity_steps, "filter_groups": filter_groups,
         "group_size": generate.params.get("n", 8), "groups_per_step": config.data.prompts_per_step,
         **params.sampler_params,
-    })))
+    })
+
+
+def build_sampler(config, rank: int, world_size: int, dist_address: str | None):
+    """The ``sampler`` role: the registered sampler built from the mode's params."""
+    cls, params = sampler_settings(config)
+    return SharedSampler(cls(params))
+
+
+def check_progress(config, plan) -> None:
+    """Refuse what cannot make progress, decided from the config alone (rlpipe.modes.feasibility)."""
+    try:
+        _, params = sampler_settings(config, plan.mode_params)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(f"mode_params.sampler_params: {'.'.join(map(str, err['loc']))}: "
+                          f"{err['msg'].removeprefix('Value error, ')}") from None
+    blockers = progress_blockers(config, plan, params)
+    if blockers and refusing():
+        raise ConfigError("this run could not make progress: " + "; ".join(blockers))
 
 
 # threads: the driver's sample_wait blocks while the rollout replicas' feeders store groups

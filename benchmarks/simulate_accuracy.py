@@ -1,0 +1,124 @@
+"""How well ``rlpipe simulate`` predicts: record one sync run of a workload, simulate the other configurations,
+run them for real, compare.
+
+Run: .venv/bin/python benchmarks/simulate_accuracy.py [--workload lengths|quickstart] [--steps 20] [--inline]
+Writes benchmarks/results/simulate_accuracy[_<workload>].json and prints a Markdown table (for docs/simulate.md).
+
+Workloads: ``lengths`` is benchmarks/async_modes.py's compute-bound long tail (Pareto response lengths
+generated to their length); ``quickstart`` is pipelines/quickstart.yaml (16 prompts × 8 two-token
+responses). Every run — the recorded one and the real runs of each configuration — is tracked to one
+temporary MLflow store, and each is measured from its own lineage the way the calibration measures the
+recorded one (:func:`rlpipe.simulate.calibration.measure`: samples/s and staleness after the first step),
+so predicted and measured figures mean the same thing. The goals of issue 26: within ±15% in samples/s
+and ±0.5 in mean staleness. Each configuration is the recorded config changed by the overrides in
+CONFIGS, exactly as ``rlpipe simulate -o`` changes it (a staleness guard added for the async modes).
+Needs a quiet machine: the model runs each worker at its recorded speed, so a busy machine's slow
+spells land in the measurement, not in the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CONFIGS = {
+    "sync": [],
+    "colocate_async": ["mode=colocate_async"],
+    "separate_async T=2": ["mode=separate_async", "mode_params.max_off_policy_threshold=2"],
+    "separate_async T=4": ["mode=separate_async", "mode_params.max_off_policy_threshold=4"],
+    "separate_async T=4, 2 replicas": ["mode=separate_async", "mode_params.max_off_policy_threshold=4",
+                                       "resources.rollout_replicas=2"],
+}
+"""Configuration name → overrides of the recorded (sync) config."""
+
+
+def recorded_raw(workload: str, steps: int, uri: str, out: str) -> dict:
+    """The sync config of the workload, tracked to ``uri``."""
+    import yaml
+
+    if workload == "lengths":
+        from async_modes import workload as long_tail
+
+        raw = long_tail("sync", steps, {})
+    else:
+        raw = yaml.safe_load((ROOT / "pipelines/quickstart.yaml").read_text())
+        raw["trainer"]["total_steps"] = steps
+    raw["name"] = f"simacc-{workload}"
+    raw["trainer"]["output_dir"] = out
+    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "simulate-accuracy", "sample_trajectories": 0,
+                       "figures_every": 0}
+    return raw
+
+
+def run(raw: dict, inline: bool) -> str:
+    """Run a raw config; its MLflow run id."""
+    from rlpipe.engine.planning.config_io import validate_config
+    from rlpipe.engine.runtime import run_pipeline
+
+    return run_pipeline(validate_config(raw), "", inline=inline).run_id
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=("lengths", "quickstart"), default="lengths")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--inline", action="store_true", help="run every stage in this process (no Ray): a smoke test")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS to compare")
+    args = parser.parse_args()
+    from rlpipe.simulate import simulate
+    from rlpipe.simulate.calibration import calibrate
+    from rlpipe.simulate.recorded import load_recording
+    from rlpipe.simulate.setup import simulated_raw
+
+    tmp = tempfile.mkdtemp(prefix="simacc-")
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    base_raw = recorded_raw(args.workload, args.steps, uri, f"{tmp}/outputs")
+    started = time.time()
+    recording, raw = load_recording(run(base_raw, args.inline), uri)
+    calibration = calibrate(recording)
+    rows = {}
+    for name in args.configs.split(","):
+        overrides = CONFIGS[name]
+        predicted = simulate(recording, raw, overrides, steps=args.steps, calibration=calibration).prediction
+        real_raw, _ = simulated_raw(raw, overrides)
+        real_raw["name"] = f"simacc-{args.workload}-{name.replace(' ', '').replace(',', '-').replace('=', '')}"
+        measured = calibrate(load_recording(run(real_raw, args.inline), uri)[0]).measured
+        rows[name] = {"overrides": overrides, "predicted": predicted.model_dump(mode="json"),
+                      "measured": measured.model_dump(mode="json")}
+        print(f"{name}: predicted {predicted.samples_per_s:.1f} samples/s, staleness {predicted.mean_staleness:.2f}; "
+              f"measured {measured.samples_per_s or float('nan'):.1f}, {measured.mean_staleness or float('nan'):.2f}",
+              flush=True)
+    import ray
+
+    ray.shutdown()
+    summary = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "workload": args.workload,
+               "steps": args.steps, "inline": args.inline, "recorded_run": recording.run_id,
+               "wall_s": time.time() - started, "results": rows}
+    suffix = "" if args.workload == "lengths" else f"_{args.workload}"
+    if not args.inline:  # a smoke run is not a result
+        (ROOT / f"benchmarks/results/simulate_accuracy{suffix}.json").write_text(json.dumps(summary, indent=2))
+    print(f"\ncalibrated on one sync run of {args.steps} steps ({args.workload}); measured = each config run for real")
+    print("| configuration | samples/s predicted | measured | error | mean staleness predicted | measured | diff |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        p, m = r["predicted"], r["measured"]
+        err = (p["samples_per_s"] / m["samples_per_s"] - 1) if m["samples_per_s"] else float("nan")
+        diff = (p["mean_staleness"] - m["mean_staleness"]) if m["mean_staleness"] is not None else float("nan")
+        print(f"| {name} | {p['samples_per_s']:.1f} | {m['samples_per_s'] or float('nan'):.1f} | {err:+.0%} | "
+              f"{p['mean_staleness']:.2f} | {m['mean_staleness'] or float('nan'):.2f} | {diff:+.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The event model on hand-built recordings whose answers are known in closed form."""
+
+from __future__ import annotations
+
+import pytest
+
+from handbuilt import handbuilt
+from rlpipe.simulate import calibrate, predict, simulate
+from rlpipe.modes.feasibility import simulating
+from rlpipe.simulate.setup import build_setup, simulated_config
+
+G, T = 0.3, 0.5  # seconds of generation and of training per step
+
+
+def test_sync_alternates_generation_and_training(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    p = simulate(rec, raw, steps=50).prediction
+    assert p.steps_per_s == pytest.approx(1 / (G + T), rel=1e-9)
+    assert p.samples_per_s == pytest.approx(4 * 2 / (G + T), rel=1e-9)
+    assert p.busy_share["rollout[0]"] == pytest.approx(G / (G + T), rel=0.03)  # the first step's wait is in the span
+    assert (p.mean_staleness, p.max_staleness, p.max_version_lag, p.verdict) == (1.0, 1, 0, "ok")
+
+
+def test_sync_adds_the_driver_gap_and_the_pauses_between_nodes(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    for i, r in enumerate(rec.records):  # 10 ms between every node, 50 ms more before every step
+        r.start_time += 0.01 * i + 0.05 * r.step
+    p = simulate(rec, raw, steps=20).prediction
+    assert p.steps_per_s == pytest.approx(1 / (G + T + 7 * 0.01 + 0.05), rel=1e-9)
+
+
+@pytest.mark.parametrize("gen,train", [(G, T), (T, G)])
+def test_colocate_without_release_overlaps_perfectly(tmp_path, gen, train):
+    rec, raw = handbuilt(tmp_path, {"generate": gen, "update": train})
+    over = ["mode=colocate_async", "mode_params.release_memory_during_update=false"]
+    p = simulate(rec, raw, over, steps=60).prediction
+    assert p.steps_per_s == pytest.approx(1 / max(gen, train), rel=1e-6)
+    assert (p.mean_staleness, p.max_staleness, p.verdict) == (2.0, 2, "ok")
+
+
+def test_colocate_release_stops_generation_from_update_to_push(tmp_path):
+    # generation overlaps only old_log_prob (0.2 s); the rest of it waits for the push
+    rec, raw = handbuilt(tmp_path, {"generate": 0.5, "old_log_prob": 0.2, "update": 0.3})
+    p = simulate(rec, raw, ["mode=colocate_async"], steps=60).prediction
+    assert p.steps_per_s == pytest.approx(1 / (0.5 + 0.3), rel=1e-6)  # (0.5 - 0.2) + 0.2 + 0.3 per step
+    assert p.max_version_lag == 1 and p.mean_versions_spanned == pytest.approx(2.0)
+
+
+def test_separate_async_at_threshold_one_is_sync(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    over = ["mode=separate_async", "mode_params.max_off_policy_threshold=1", "mode_params.strategy=wait"]
+    p = simulate(rec, raw, over, steps=40).prediction
+    assert p.steps_per_s == pytest.approx(1 / (G + T), rel=1e-6)
+    assert (p.mean_staleness, p.max_staleness, p.dropped_per_step) == (1.0, 1, 0.0)
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_separate_async_overlaps_within_its_staleness_bound(tmp_path, strategy):
+    # generation fast enough to regenerate what drop evicts (half again) and still hide behind training
+    rec, raw = handbuilt(tmp_path, {"generate": 0.2, "update": T})
+    over = ["mode=separate_async", "mode_params.max_off_policy_threshold=2", f"mode_params.strategy={strategy}"]
+    p = simulate(rec, raw, over, steps=60).prediction
+    assert p.steps_per_s == pytest.approx(1 / T, rel=0.02)  # training bound: generation hides behind it
+    assert p.max_staleness == 2 and 1 < p.mean_staleness <= 2
+    assert p.max_version_lag <= 1
+    assert (p.dropped_per_step > 0) == (strategy == "drop")  # capacity 2 steps: the older half goes stale
+
+
+def test_two_replicas_halve_a_generation_bound_step(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": 0.8, "update": 0.1})
+    one = simulate(rec, raw, steps=20).prediction
+    two = simulate(rec, raw, ["resources.rollout_replicas=2"], steps=20).prediction
+    assert one.steps_per_s == pytest.approx(1 / 0.9)
+    assert two.steps_per_s == pytest.approx(1 / (0.4 + 0.1))
+    assert set(two.busy_share) >= {"rollout[0]", "rollout[1]"}
+
+
+@pytest.mark.parametrize("strategy", ["drop", "wait"])
+def test_colocate_below_its_structural_threshold_makes_no_progress(tmp_path, strategy):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    cal = calibrate(rec)
+    over = ["mode=colocate_async", "mode_params.max_off_policy_threshold=1", f"mode_params.strategy={strategy}"]
+    with simulating():
+        config, plan, _, _ = simulated_config(raw, over)
+    p = predict(build_setup(config, plan, cal.workers, cal.overlapped), cal, 20)  # the simulation alone
+    assert p.verdict == "no_progress" and p.steps_done < 3
+    assert ("evicted as staler" if strategy == "drop" else "could not all be consumed") in p.verdict_reason
+
+
+def test_a_threshold_that_evicts_every_long_rollout_starves(tmp_path):
+    # one group in eight generates 16× longer; generation costs 2 ms per token, 0.18 s per step
+    lengths = [[2, 2]] * 7 + [[32, 32]]
+    rec, raw = handbuilt(tmp_path, {"generate": lambda tokens, longest: 0.002 * tokens, "update": 0.2},
+                         groups=8, lengths=lengths, max_tokens=32)
+    over = ["mode=separate_async", "mode_params.max_off_policy_threshold=1", "mode_params.strategy=drop"]
+    p = simulate(rec, raw, over, steps=60).prediction
+    assert p.verdict == "starves" and "longest rollouts" in p.verdict_reason
+    assert p.long_dropped_share > 0.75
+    ok = simulate(rec, raw, [*over[:1], "mode_params.max_off_policy_threshold=4"], steps=60).prediction
+    assert ok.long_dropped_share < 0.5
+
+
+def test_a_rollout_bound_async_run_starves_the_trainer(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": 1.0, "update": 0.1})
+    p = simulate(rec, raw, ["mode=separate_async"], steps=30).prediction
+    assert p.verdict == "starves" and p.trainer_wait_share > 0.5
+    assert p.steps_per_s == pytest.approx(1.0, rel=0.05)  # one batch per second of generation
+
+
+def test_a_guard_stricter_than_the_buffer_stops_the_run(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    over = ["mode=separate_async", "mode_params.max_off_policy_threshold=3"]
+    raw["stages"].insert(2, {"kind": "staleness_guard", "impl": "max_staleness", "params": {"max_staleness": 1}})
+    p = simulate(rec, raw, over, steps=30).prediction
+    assert p.verdict == "no_progress" and "max_staleness=1" in p.verdict_reason
+
+
+def test_a_simulated_100_step_run_is_fast(tmp_path):
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    p = simulate(rec, raw, ["mode=separate_async", "resources.rollout_replicas=4"], steps=100).prediction
+    assert p.steps_done == 100 and p.wall_s < 1.0
