@@ -29,6 +29,7 @@ from rlpipe.engine.tracking.lineage import PROMPT_TEXT, trajectory_lineage
 from rlpipe.engine.tracking.metric_loggers import with_metric_loggers
 from rlpipe.engine.execution.inline import InlineBackend
 from rlpipe.engine.tracking.observer import NullObserver, Observer
+from rlpipe.engine.tracking.run_start import RunStart
 from rlpipe.engine.tracking.spool import SPOOL_NAME
 from rlpipe.engine.planning.plan import Plan, build_plan
 from rlpipe.engine.resume import plan_resume, resolve_checkpoint
@@ -187,7 +188,9 @@ def make_observer(config: PipelineConfig, resume_run_id: str | None = None,
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(tracking.http_max_retries))
     # the writer runs in its own process (off this one's GIL); the spool path must pickle, so no lambda
     spool_path = partial(spool_file, config.trainer.output_dir, config.name)
-    return mlflow_process_observer(tracking, config.name, spool_path, resume_run_id=resume_run_id, tags=tags)
+    observer = mlflow_process_observer(tracking, config.name, spool_path, resume_run_id=resume_run_id, tags=tags)
+    observer.spawn()
+    return observer
 
 
 def spool_file(output_dir: str, name: str, run_id: str) -> Path:
@@ -224,7 +227,6 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     roles, threads = run_thread_budget(config, plan, inline)
     config = config.model_copy(update={"trainer": config.trainer.model_copy(update={"torch_threads": threads.threads})})
     log.info("torch threads per worker process: %d (%s)", threads.threads, threads.reason)
-    phase("starting MLflow tracking" if config.tracking.enabled else "planning")
     observer = observer or make_observer(config, resume.run_id if resume else None, resume.tags if resume else None)
     observer = with_metric_loggers(observer, config)
     summary = plan.summary()
@@ -232,22 +234,30 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         from rlpipe.engine.execution.physical_plan import physical_plan
 
         summary["physical_plan"] = physical_plan(config, plan, roles)
-    run_id = observer.on_run_start(config.model_dump(mode="json"), pipeline_yaml, summary)
-    runtime = backend = None
+    # the run opens in the tracking store while the workers start (rlpipe.engine.tracking.run_start)
+    tracking = RunStart(observer, config.model_dump(mode="json"), pipeline_yaml, summary)
+    beside = " (MLflow tracking starts beside it)" if config.tracking.enabled else ""
+    run_id = runtime = backend = None
     started = time.time()
     try:
-        if inline:
-            phase("building workers in this process")
-            backend = InlineBackend(config, roles)
-        else:
-            phase("starting Ray")
-            init_ray(config.resources.ray_address, config.resources.num_cpus)
-            shipped = None
-            if not shares_filesystem(config, inline=False):
-                phase("packing the model folders into Ray's object store (resources.shared_filesystem: false)")
-                shipped = ship_model_dirs(config)
-            phase(f"building workers ({', '.join(sorted(roles))})")
-            backend = RayBackend.start(config, roles, shipped)
+        try:
+            if inline:
+                phase("building workers in this process" + beside.replace(" it)", " them)"))
+                backend = InlineBackend(config, roles)
+            else:
+                phase("starting Ray" + beside)
+                init_ray(config.resources.ray_address, config.resources.num_cpus)
+                tracking.raise_if_failed()
+                shipped = None
+                if not shares_filesystem(config, inline=False):
+                    phase("packing the model folders into Ray's object store (resources.shared_filesystem: false)")
+                    shipped = ship_model_dirs(config)
+                phase(f"building workers ({', '.join(sorted(roles))})")
+                backend = RayBackend.start(config, roles, shipped)
+        finally:  # a run that failed to start its workers is still recorded, as FAILED
+            if not tracking.done():
+                phase("waiting for MLflow tracking to start")
+            run_id = tracking.run_id()
         phase("loading data and the first weight sync")
         runtime = Runtime(config, plan, observer, run_id, backend, on_step)
         if resumed:
@@ -264,10 +274,12 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         if config.trainer.checkpoint_every:  # what --extend continues from
             checkpoint.save(runtime, config.trainer.total_steps)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGINT/SIGTERM under `rlpipe run` (rlpipe.engine.interrupt)
-        observer.on_run_end("KILLED", str(interrupt.stop_of(exc)))
+        if (run_id or tracking.opened()) is not None:
+            observer.on_run_end("KILLED", str(interrupt.stop_of(exc)))
         raise
     except BaseException as exc:
-        observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")
+        if (run_id or tracking.opened()) is not None:  # none: the run never opened (the error says why)
+            observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")
         raise
     finally:
         if backend is not None:

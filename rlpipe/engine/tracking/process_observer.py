@@ -164,7 +164,11 @@ class ProcessObserver:
 
     # -- Observer protocol -------------------------------------------------------------------
 
-    def on_run_start(self, config: dict[str, Any], pipeline_yaml: str, plan_summary: dict[str, Any]) -> str:
+    def spawn(self) -> None:
+        """Start the child process (once). ``run_pipeline`` calls it in its main thread and opens the run from
+        another (rlpipe.engine.tracking.run_start): the swap of ``__main__`` below must not race other imports."""
+        if self._listener is not None:
+            return
         # the child needs nothing from the caller's script; without this, spawn re-imports it (a script without
         # an `if __name__ == "__main__":` guard would run again in the child)
         main = sys.modules["__main__"]
@@ -177,6 +181,9 @@ class ProcessObserver:
         # reads the child's replies and log records; blocked on a pipe (no GIL) between them
         self._listener = threading.Thread(target=self._listen, name="rlpipe-tracking-listener", daemon=True)
         self._listener.start()
+
+    def on_run_start(self, config: dict[str, Any], pipeline_yaml: str, plan_summary: dict[str, Any]) -> str:
+        self.spawn()
         self._send(("start", config, pipeline_yaml, plan_summary), self.start_timeout_s)
         kind, value = self._reply(self.start_timeout_s)
         if kind != "started":
