@@ -1,7 +1,7 @@
 """pipelines/quickstart_vllm.yaml on Ray in sync, on a vLLM server the rollout replica starts and owns.
 
 One run shows two things (one cold server start instead of two):
-- it learns the one-digit task (vllm_runs.ONE_DIGIT) in 30 steps: mean reward rises by >= 0.3 from the first to
+- it learns the one-digit task (vllm_runs.ONE_DIGIT) in 20 steps: mean reward rises by >= 0.3 from the first to
   the last fifth (a run whose pushes did not reach the server would stay at the initial policy's ~0.1);
 - then its server is killed (the API server rlpipe started; its engine core is left orphaned): the run fails
   within 60 s with a message naming vLLM and the server's log, and no vLLM process outlives the failed run
@@ -26,7 +26,7 @@ from vllm_runs import ONE_DIGIT, ROOT, group_pids, learns, parent_pid, server_pi
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
-LEARNING_STEPS = 30
+LEARNING_STEPS = 20
 
 
 @pytest.fixture(autouse=True)
