@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+import work_order
+
 # Two cores: one intra-op thread per process avoids oversubscription (seconds → milliseconds).
 torch.set_num_threads(1)
 
@@ -36,11 +38,13 @@ _MARKED_BY_FIXTURE = {"ray_session": "e2e", "sync_run": "e2e", "vllm_server": "v
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test that uses a shared Ray or vLLM fixture carries that fixture's marker (so -m selects it)."""
+    """A test that uses a shared Ray or vLLM fixture carries that fixture's marker (so -m selects it); the worker
+    groups are ordered longest first (tests/work_order.py)."""
     for item in items:
         for fixture, marker in _MARKED_BY_FIXTURE.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+    items[:] = work_order.longest_first(items, xdist_group)
 
 
 # Session fixtures too costly to build once per xdist worker (`make test` runs three), by the group whose files run on
@@ -66,11 +70,26 @@ def pytest_xdist_make_scheduler(config, log):
     the controller, which sees only node ids."""
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # the collection order is already longest first (not most tests first)
+
     class SharedFixtureScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid.split("::", 1)[0])
 
     return SharedFixtureScheduling(config, log)
+
+
+_DURATIONS = None if os.environ.get("PYTEST_XDIST_WORKER") else work_order.recorder(lambda path: xdist_group(path))
+
+
+def pytest_runtest_logreport(report):
+    if _DURATIONS is not None:
+        _DURATIONS.add(report)
+
+
+def pytest_sessionfinish(session):
+    if _DURATIONS is not None:
+        _DURATIONS.write()
 
 
 def _not_in_the_fast_tier(what: str):

@@ -156,7 +156,7 @@ def start_cluster() -> tuple[Cluster, object, object]:
     for attempt in range(2):
         cluster = Cluster(initialize_head=False)
         try:
-            cluster.add_node(num_cpus=1)  # the first node added is the head
+            cluster.add_node(num_cpus=1, include_dashboard=False)  # the first node added is the head
             node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1})
             node_b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
             return cluster, node_a, node_b

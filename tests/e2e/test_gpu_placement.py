@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     from rlpipe.engine.execution.worker_group import WorkerGroup
     from rlpipe.engine.planning.config_io import validate_config
 
-    ray.init(address="local", num_cpus=2, num_gpus=3)  # a Ray of its own, even if another test's runs
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False)  # a Ray of its own, even if another test's runs
     raw = quickstart_raw(resources={"device": "cuda"}, tracking={"enabled": False})
     shared = RayBackend.start(validate_config(raw), {"ref"})  # gpus_per_worker 0: nothing reserved
     gpus = [ray.available_resources().get("GPU", 0.0)]
