@@ -181,8 +181,14 @@ class MergedAdapter:
             load_buckets(self.slots, push)
         slots = dict(self.slots.named_modules())
         for name in self.names:
-            weight = self.model.get_submodule(name).weight
-            weight.copy_(merged(self.base[name], slots[name].lora_A, slots[name].lora_B, self.scale))
+            weight, base = self.model.get_submodule(name).weight, self.base[name]
+            slot = slots[name]
+            if weight.dtype == base.dtype == slot.lora_A.dtype == torch.float32:
+                # one pass over the weight (read W0, write W): the merge is memory-bound, and the general path's
+                # temporaries made a 2.5 MB adapter push slower than the 97 MB full push it replaces
+                torch.addmm(base, slot.lora_B, slot.lora_A, alpha=self.scale, out=weight)
+            else:
+                weight.copy_(merged(base, slot.lora_A, slot.lora_B, self.scale))
         return loaded
 
 
