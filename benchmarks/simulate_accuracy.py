@@ -38,7 +38,7 @@ CONFIGS = {
     "colocate_async": ["mode=colocate_async"],
     "separate_async T=2": ["mode=separate_async", "mode_params.max_off_policy_threshold=2"],
     "separate_async T=4": ["mode=separate_async", "mode_params.max_off_policy_threshold=4"],
-    "separate_async T=4, 2 replicas": ["mode=separate_async", "mode_params.max_off_policy_threshold=4",
+    "separate_async T=4 2 replicas": ["mode=separate_async", "mode_params.max_off_policy_threshold=4",
                                        "resources.rollout_replicas=2"],
 }
 """Configuration name → overrides of the recorded (sync) config."""
