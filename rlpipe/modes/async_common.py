@@ -24,7 +24,7 @@ from rlpipe.engine.execution.executor import StepRun
 from rlpipe.engine.rollout_calls import collect_scored, submit_to_replicas
 from rlpipe.engine.state.roles import WORKER_ROLES, RoleSpec
 from rlpipe.engine.state.sampler import SharedSampler
-from rlpipe.errors import ConfigError, PlanError
+from rlpipe.errors import ConfigError, PlanError, RlpipeError
 from rlpipe.modes.base import Mode
 from rlpipe.modes.feasibility import progress_blockers, refusing
 from rlpipe.modes.sync import check_batch_arithmetic
@@ -68,6 +68,10 @@ def split_plan(plan) -> tuple[list, list]:
     cut = plan.nodes.index(guard)
     head = [n for n in plan.nodes[:cut] if n.step_role not in ("generates", "selects_groups")]
     return head, plan.nodes[cut:]
+
+
+class RolloutStalled(RlpipeError):
+    """The rollout side made no progress for ``mode_params.stall_timeout_s`` while the trainer waited."""
 
 
 def check_async(config, plan) -> None:

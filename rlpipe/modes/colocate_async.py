@@ -19,7 +19,7 @@ import time
 
 from pydantic import Field
 
-from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async, group_order
+from rlpipe.modes.async_common import AsyncMode, AsyncParams, RolloutStalled, check_async, group_order
 from rlpipe.registry import registry
 
 
@@ -32,6 +32,9 @@ class ColocateAsyncParams(AsyncParams):
     """Structural: 2 with overlap (prompts of step k+1 are submitted during step k), 1 without."""
     strategy: str = "wait"
     """Nothing is ever dropped: every submitted batch is consumed at the next step."""
+    stall_timeout_s: float = Field(600.0, gt=0)
+    """Fail the run when, while the trainer waits for a batch, no finished group has come from the rollout
+    engine for this many seconds (a hung engine or environment)."""
     release_memory_during_update: bool = True
     """Shared devices: before the update, abort in-flight generation (resumed after the push) and
     free the engine's weights, so generation overlaps only the tail before the update (reward,
@@ -68,8 +71,17 @@ class ColocateAsyncMode(AsyncMode):
             self.submit(rt.start_step, max(0, groups - in_buffer))
             for step in range(rt.start_step, total):
                 waited = time.time()
+                arrived = time.monotonic()
                 while (batch := self.sampler("sample", groups, step)) is None:
-                    self.collect(step, self.params.poll_s)
+                    if self.collect(step, self.params.poll_s):
+                        arrived = time.monotonic()
+                    elif time.monotonic() - arrived > self.params.stall_timeout_s:
+                        raise RolloutStalled(
+                            f"colocate_async: no finished group came from the rollout engine for "
+                            f"{time.monotonic() - arrived:.0f} s while step {step} waits for {groups} groups "
+                            f"(buffer: {self.sampler('counts')}); an engine or environment that never answers is "
+                            "hung: see the rollout worker's log. If generation is only this slow, raise "
+                            "mode_params.stall_timeout_s")
                 last = step + 1 == total
                 if self.params.overlap and not last:
                     self.submit(step, groups)  # generated now, on version `step`, during this step's tail

@@ -45,7 +45,7 @@ from pydantic import Field
 from rlpipe.engine.state.roles import WORKER_ROLES
 from rlpipe.engine.state.rollout_feeder import HeadStage
 from rlpipe.errors import ConfigError, RlpipeError
-from rlpipe.modes.async_common import AsyncMode, AsyncParams, check_async, group_order
+from rlpipe.modes.async_common import AsyncMode, AsyncParams, RolloutStalled, check_async, group_order
 from rlpipe.registry import registry
 
 log = logging.getLogger(__name__)
@@ -68,10 +68,6 @@ def _pool_role(node) -> bool:
     spec = node.spec
     return (spec.placement == "worker" and spec.role not in ("rollout", "actor", "ref", "critic")
             and not WORKER_ROLES.get(spec.role).sharded)
-
-
-class RolloutStalled(RlpipeError):
-    """The rollout pool made no progress for ``stall_timeout_s`` while the trainer waited."""
 
 
 @registry("mode").register("separate_async")
