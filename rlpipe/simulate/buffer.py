@@ -4,8 +4,8 @@
 only its decisions, taken thousands of times per simulated run: which prompts are admitted
 (``refill_needed``: capacity, and under ``wait`` the staleness schedule), which are pulled
 (oldest first), which finished groups are evicted as stale (``drop``), and when ``sample``
-serves a batch or blocks (``wait``). The rules and their arithmetic (``_slack``) are the real
-buffer's; ``tests/simulate/test_buffer.py`` drives both with the same calls and checks they decide
+serves a batch or blocks (``wait``). The rules are the real buffer's, and the wait schedule's arithmetic is its
+own code (``wait_slack``, ``wait_room``); ``tests/simulate/test_buffer.py`` drives both with the same calls and checks they decide
 alike. Left out: DAPO's uninformative-group eviction and infrastructure failures (the simulated
 groups are all informative and all succeed).
 """
@@ -18,6 +18,7 @@ from typing import Literal
 
 import numpy as np
 
+from rlpipe.engine.state.replay_buffer import wait_room, wait_slack
 from rlpipe.errors import RlpipeError
 
 PENDING, RUNNING, FINISHED = "pending", "running", "finished"
@@ -141,23 +142,13 @@ class SimBuffer:
         if step > self.step:
             self.step, self.consumed_at_step = step, 0
 
-    # the wait schedule: the real buffer's arithmetic (rlpipe.engine.state.replay_buffer.ReplayBuffer._slack)
-    def _slack(self, submit_steps: np.ndarray, remaining: int, first_level: int) -> int:
-        T, G = self.threshold, self.groups_per_step
-        ps = np.sort(submit_steps)
-        last = max(first_level, int(ps[-1]) + T - 1) if len(ps) else first_level
-        t = np.arange(first_level, last + 1)
-        due = np.searchsorted(ps, t - T + 1, side="right")
-        return int(np.min(remaining + (t - self.step) * G - due))
-
     def _schedule_holds(self, chosen: list[Prompt]) -> bool:
         taken = {p.uid for p in chosen}
         left = np.array([p.submit_step for p in self.prompts.values() if p.uid not in taken], dtype=np.int64)
         remaining = max(0, self.groups_per_step - self.consumed_at_step - len(chosen))
-        return self._slack(left, remaining, self.step) >= 0
+        return wait_slack(left, remaining, self.step, self.step, self.threshold, self.groups_per_step) >= 0
 
     def _room(self, submit_step: int) -> int:
         live = np.array([p.submit_step for p in self.prompts.values()], dtype=np.int64)
         remaining = max(0, self.groups_per_step - self.consumed_at_step)
-        first = max(self.step, submit_step + self.threshold - 1)
-        return max(0, self._slack(live, remaining, first))
+        return wait_room(live, remaining, submit_step, self.step, self.threshold, self.groups_per_step)

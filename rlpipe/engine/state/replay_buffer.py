@@ -77,6 +77,27 @@ _STATE_COL, _SEQ_COL = "buffer_state", "buffer_seq"
 _EMPTY_PROMPTS = pa.schema([pa.field(c, B.column_type(c)) for c in B.PROMPT_COLUMNS])
 
 
+
+def wait_slack(submit_steps: np.ndarray, remaining: int, first_level: int, step: int, threshold: int,
+               groups_per_step: int) -> int:
+    """The wait schedule's arithmetic: min over steps t ≥ first_level of (batches left until t) − (prompts due by t).
+
+    A prompt submitted at p is due (reaches the threshold T) at t = p + T − 1; at the current ``step``
+    ``remaining`` groups may still be consumed, ``groups_per_step`` at every later one. (rlpipe.simulate's buffer
+    keeps the same rules on integers.)"""
+    ps = np.sort(submit_steps)
+    last = max(first_level, int(ps[-1]) + threshold - 1) if len(ps) else first_level
+    t = np.arange(first_level, last + 1)
+    due = np.searchsorted(ps, t - threshold + 1, side="right")
+    return int(np.min(remaining + (t - step) * groups_per_step - due))
+
+
+def wait_room(live_submit_steps: np.ndarray, remaining: int, submit_step: int, step: int, threshold: int,
+              groups_per_step: int) -> int:
+    """Prompts that may be submitted at ``submit_step`` without breaking the wait schedule."""
+    first = max(step, submit_step + threshold - 1)
+    return max(0, wait_slack(live_submit_steps, remaining, first, step, threshold, groups_per_step))
+
 class ReplayBufferParams(StageParams):
     """Params of the built-in ``replay_buffer`` sampler."""
 
@@ -319,32 +340,18 @@ class ReplayBuffer:
         if step > self._step:
             self._step, self._consumed = step, 0
 
-    def _slack(self, submit_steps: np.ndarray, remaining: int, first_level: int) -> int:
-        """min over steps t ≥ first_level of (batches left until t) − (prompts due by t).
-
-        A prompt submitted at p is due (reaches the threshold) at t = p + T − 1;
-        ``remaining`` groups may still be consumed at the current step, G at every later one.
-        """
-        T, G = self._threshold, self.params.groups_per_step
-        ps = np.sort(submit_steps)
-        last = max(first_level, int(ps[-1]) + T - 1) if len(ps) else first_level
-        t = np.arange(first_level, last + 1)
-        due = np.searchsorted(ps, t - T + 1, side="right")
-        return int(np.min(remaining + (t - self._step) * G - due))
-
     def _schedule_holds(self, chosen: list[_Prompt]) -> bool:
         """Wait gate: after taking ``chosen``, every other unconsumed prompt can still be consumed in time."""
         taken = {id(p) for p in chosen}
         left = np.array([p.submit_step for p in self._prompts.values() if id(p) not in taken], dtype=np.int64)
         remaining = max(0, self.params.groups_per_step - self._consumed - len(chosen))
-        return self._slack(left, remaining, self._step) >= 0
+        return wait_slack(left, remaining, self._step, self._step, self._threshold, self.params.groups_per_step) >= 0
 
     def _room(self, submit_step: int) -> int:
         """Prompts that may be submitted at ``submit_step`` without breaking the wait schedule."""
         live = np.array([p.submit_step for p in self._prompts.values()], dtype=np.int64)
         remaining = max(0, self.params.groups_per_step - self._consumed)
-        first = max(self._step, submit_step + self._threshold - 1)
-        return max(0, self._slack(live, remaining, first))
+        return wait_room(live, remaining, submit_step, self._step, self._threshold, self.params.groups_per_step)
 
     # ------------------------------------------------------------------ metrics
 
