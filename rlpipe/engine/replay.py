@@ -159,8 +159,8 @@ def replay(run_ref: str, step: int, node_name: str, overrides: list[str] | None 
     uri = runs.resolve_tracking_uri(tracking_uri)
     run = explain.find_run(run_ref, uri, experiment)
     run_id = run.info.run_id
+    raw = runs.resolved_config(run_id, uri)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = json.loads(open(_download(run_id, "resolved_config.json", uri, tmp)).read())
         base = f"{runs.BATCHES_DIR}/step_{step:06d}/{node_name}"
         try:
             table = pq.read_table(_download(run_id, f"{base}.parquet", uri, tmp), memory_map=False)

@@ -8,25 +8,11 @@ and the run's ``resolved_config.json`` — the validated config the run was star
 
 from __future__ import annotations
 
-import json
-import tempfile
 from typing import Any
 
 from rlpipe.engine.tracking import explain, runs
 from rlpipe.engine.tracking.lineage import table_to_records
 from rlpipe.simulate.calibration import Recording
-
-
-def recorded_config(run_id: str, tracking_uri: str | None = None) -> dict[str, Any]:
-    """The resolved config (a plain dict) the run was started with."""
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            path = runs.client(tracking_uri).download_artifacts(run_id, "resolved_config.json", tmp)
-        except Exception as exc:  # MLflow raises different types per artifact store
-            raise runs.RunNotFoundError(f"run {run_id} has no resolved_config.json ({exc}); was it recorded by "
-                                        "rlpipe with tracking enabled?") from None
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
 
 
 def load_recording(run_ref: str, tracking_uri: str | None = None,
@@ -37,7 +23,7 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
     uri = runs.resolve_tracking_uri(tracking_uri)
     run = explain.find_run(run_ref, uri, experiment)
     run_id = run.info.run_id
-    raw = recorded_config(run_id, uri)
+    raw = runs.resolved_config(run_id, uri)
     records = table_to_records(runs.lineage_table(run_id, uri))
     try:
         trajectories = runs.trajectory_lineage_table(run_id, uri)

@@ -12,6 +12,7 @@ does: ``MLFLOW_TRACKING_URI``, else MLflow's own default, ``sqlite:///<cwd>/mlfl
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -103,6 +104,18 @@ def _read_parquet_artifact(c: MlflowClient, run_id: str, path: str) -> pa.Table:
                 f"run {run_id} has no artifact {path!r} ({exc}); was it logged by rlpipe with tracking enabled?"
             ) from None
         return pq.read_table(local, memory_map=False)  # fully read before the temp dir goes
+
+
+def resolved_config(run_id: str, tracking_uri: str | None = None) -> dict:
+    """The resolved config (a plain dict) the run was started with (its ``resolved_config.json``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client(tracking_uri).download_artifacts(run_id, "resolved_config.json", tmp)
+        except Exception as exc:  # MLflow raises different types per artifact store
+            raise RunNotFoundError(f"run {run_id} has no resolved_config.json ({exc}); was it recorded by "
+                                   "rlpipe with tracking enabled?") from None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def _read_step_parts(c: MlflowClient, run_id: str, folder: str, whole: str) -> pa.Table:
