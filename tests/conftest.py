@@ -79,7 +79,7 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedFixtureScheduling(config, log)
 
 
-_DURATIONS = None if os.environ.get("PYTEST_XDIST_WORKER") else work_order.recorder(lambda path: xdist_group(path))
+_DURATIONS = None if os.environ.get("PYTEST_XDIST_WORKER") else work_order.recorder(xdist_group)
 
 
 def pytest_runtest_logreport(report):

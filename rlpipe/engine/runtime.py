@@ -237,7 +237,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     # the run opens in the tracking store while the workers start (rlpipe.engine.tracking.run_start)
     tracking = RunStart(observer, config.model_dump(mode="json"), pipeline_yaml, summary)
     beside = " (MLflow tracking starts beside it)" if config.tracking.enabled else ""
-    run_id = runtime = backend = None
+    runtime = backend = None
     started = time.time()
     try:
         try:
@@ -274,11 +274,11 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         if config.trainer.checkpoint_every:  # what --extend continues from
             checkpoint.save(runtime, config.trainer.total_steps)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGINT/SIGTERM under `rlpipe run` (rlpipe.engine.interrupt)
-        if (run_id or tracking.opened()) is not None:
+        if tracking.opened() is not None:
             observer.on_run_end("KILLED", str(interrupt.stop_of(exc)))
         raise
     except BaseException as exc:
-        if (run_id or tracking.opened()) is not None:  # none: the run never opened (the error says why)
+        if tracking.opened() is not None:  # none: the run never opened (the error says why)
             observer.on_run_end("FAILED", f"{type(exc).__name__}: {exc}")
         raise
     finally:
