@@ -13,20 +13,15 @@ hold one full copy per process); the SGLang / megatron backends have their own.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig
+
+if TYPE_CHECKING:  # transformers' model classes cost seconds to import: only the processes that build a model pay
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,10 +29,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-_FAMILIES = {
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "llama": (LlamaConfig, LlamaForCausalLM),
-}
+
+def _family(name: str) -> tuple[type, type]:
+    """The config and model classes of an architecture family."""
+    if name == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        return Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaConfig, LlamaForCausalLM
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -71,7 +70,7 @@ def _from_architecture(arch: ArchitectureConfig, tokenizer: PreTrainedTokenizerB
             f"architecture.num_heads {arch.num_heads} is not a multiple of num_kv_heads {kv_heads}; "
             "grouped-query attention needs whole groups"
         )
-    config_cls, model_cls = _FAMILIES[arch.family]
+    config_cls, model_cls = _family(arch.family)
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=arch.hidden_size,
@@ -98,6 +97,7 @@ def _load_local(path: str, dtype: torch.dtype) -> PreTrainedModel:
             "folder (nothing is downloaded) or give `architecture` instead. On a Ray cluster whose nodes do not all "
             "have that folder, set resources.shared_filesystem: false (the driver ships it to every node)"
         )
+    from transformers import AutoModelForCausalLM
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except (OSError, ValueError) as exc:

@@ -19,12 +19,15 @@ byte-level tokenizer takes ``chat_template`` (``chatml``: :data:`CHATML_TEMPLATE
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rlpipe.errors import ConfigError
 from rlpipe.schemas.config import TokenizerConfig
+
+if TYPE_CHECKING:  # transformers costs a second to import: a process that never builds a tokenizer skips it
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -79,6 +82,7 @@ def _byte_level() -> Tokenizer:
 
 
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
     )
@@ -91,6 +95,7 @@ def _load_local(path: str) -> PreTrainedTokenizerFast:
             "tokenizer folder (nothing is downloaded) or use `chars` / `byte_level: true`. On a Ray cluster whose "
             "nodes do not all have that folder, set resources.shared_filesystem: false (the driver ships it)"
         )
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
