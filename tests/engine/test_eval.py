@@ -1,6 +1,7 @@
 """Evaluation during training (eval:): the eval DAG is planned from the step DAG, its metrics are the hand formulas,
-eval reward rises on the quickstart task, and no eval row ever reaches an update. On Ray: in
-tests/engine/test_plugin_kind.py (one Ray run checks the plugin kind and the eval DAG)."""
+eval reward rises on the quickstart task, and no eval row ever reaches an update. On Ray: sync in
+tests/engine/test_plugin_kind.py (one Ray run checks the plugin kind and the eval DAG), separate_async in
+tests/e2e/test_async_pipeline.py, colocate_async here."""
 
 from __future__ import annotations
 
@@ -126,3 +127,27 @@ def test_eval_reward_rises_on_the_quickstart_task_and_no_eval_row_reaches_an_upd
     assert {(r.node, r.kind) for r in evals} == {("eval.generate", "generate"), ("eval.reward", "reward")}
     assert {r.rows_out for r in evals if r.node == "eval.generate"} == {32 * 4}
     _training_chain_is_clean(recorder, 40, 16 * 8)
+
+
+def test_colocate_async_on_ray_evaluates_on_the_rollout_worker_and_no_eval_row_reaches_an_update(ray_session,
+                                                                                                  tmp_path):
+    """The one colocate_async run on Ray in the suite: evaluation beside training (before step 0 and after steps 1
+    and 3) on the rollout worker, staleness within the mode's bound of 2."""
+    eval_data = {**EVAL["data"], "params": {**EVAL["data"]["params"], "size": 8}, "prompts_per_step": 8}
+    raw = _async_raw(tmp_path, "colocate_async", {}, 4, every=2, data=eval_data)
+    raw["data"] = {**raw["data"], "prompts_per_step": 4}
+    recorder = Recorder()
+    run_pipeline(validate_config(raw), "", observer=recorder)
+    assert recorder.status == "FINISHED"
+    assert recorder.metrics[0]["eval_start/policy_version"] == 0 and recorder.metrics[0]["eval_start/prompts"] == 8
+    evaluated = {s: m for s, m in recorder.metrics.items() if "eval/reward/mean" in m}
+    assert sorted(evaluated) == [1, 3]
+    assert evaluated[1]["eval/policy_version"] >= 2 and evaluated[3]["eval/policy_version"] == 4
+    evals = [r for r in recorder.records if r.node.startswith("eval.")]
+    assert {r.node for r in evals} == {"eval.generate", "eval.reward"}
+    assert all(r.worker.startswith("rollout") for r in evals if r.node == "eval.generate"), {r.worker for r in evals}
+    for step in range(4):
+        assert recorder.metrics[step]["staleness_guard/staleness/max"] <= 2
+        assert not any(uid.startswith("eval") for uid in recorder.batches[step].column("uid").to_pylist())
+        update = next(r for r in recorder.records if r.step == step and r.node == "update")
+        assert update.rows_in == 4 * 8
