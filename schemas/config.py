@@ -265,8 +265,9 @@ class ResourcesConfig(Strict):
     task stages heavy enough to need a CPU or memory of their own. Lineage records where each node ran
     (`task in actor×1@...`, `driver in actor×1@...`)."""
     concurrent_branches: bool = True
-    """Start the next worker's chain beside the current call when no path of the DAG joins them (e.g. ref on its
-    own worker while the trainer computes old_log_prob); results and lineage are those of running them in order.
+    """Start the next workers' chains beside the current call when no path of the DAG joins any two of them and
+    each has a worker of its own (e.g. ref and critic_values on their workers while the trainer computes
+    old_log_prob); results and lineage are those of running them in order.
     false: every call waits for the one before it (to measure what the overlap gains)."""
     node_cache_dir: str | None = None
     """Node-local folder where workers keep the model directories shipped through the object store

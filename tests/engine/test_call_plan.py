@@ -86,3 +86,48 @@ def test_several_trainer_ranks_or_a_backend_without_chains_fall_back_to_task_cha
 def test_colocated_roles_share_one_call():
     calls = compile_calls(_nodes(False), _rules(Layout(hosts={"rollout": "actor"})))
     assert _shape(calls) == [([n.name for n in _nodes(False)], "rollout", False, False)]
+
+
+def _ppo_nodes():
+    """PPO with a critic and a reference model: ref and critic_values listed after old_log_prob, GAE reads the
+    values, the KL loss the reference's log-probs."""
+    raw = _raw_with_ref()
+    stages = []
+    for s in raw["stages"]:
+        if s["kind"] == "advantage":
+            stages.append({"kind": "critic_values", "impl": "critic"})
+            s = {"kind": "advantage", "impl": "gae"}
+        stages.append(s)
+    raw["stages"] = stages + [{"kind": "critic_update", "impl": "ppo"}]
+    return build_plan(validate_config(raw)).nodes
+
+
+def _raw_with_ref():
+    raw = quickstart_raw()
+    stages = []
+    for s in raw["stages"]:
+        if s["kind"] == "update":
+            s = {**s, "params": {**s["params"], "use_kl_loss": True, "kl_loss_coef": 0.01}}
+        stages.append(s)
+        if s["kind"] == "old_log_prob":
+            stages.append({"kind": "ref", "impl": "reference"})
+    raw["stages"] = stages
+    return raw
+
+
+def test_the_reference_and_the_critic_start_beside_old_log_prob_each_on_its_own_worker():
+    nodes = _ppo_nodes()
+    assert [n.name for n in nodes][3:6] == ["old_log_prob", "ref", "critic_values"]
+    calls = compile_calls(nodes, _rules())
+    # ref alone is a chain of one (its role has one worker): three branches, one per worker, on one input
+    assert _shape(calls)[1:4] == [(["old_log_prob"], None, False, False), (["ref"], "ref", False, True),
+                                  (["critic_values", "advantage"], "critic", False, True)]
+    assert [c.at for c in calls[1:4]] == [3, 4, 5]
+    # the reference and the critic in one process: one chain of both, beside old_log_prob
+    shared = compile_calls(nodes, _rules(Layout(hosts={"critic": "ref"})))
+    assert [(c.names, c.beside) for c in shared[1:3]] == [(["old_log_prob"], False),
+                                                          (["ref", "critic_values", "advantage"], True)]
+    # two critic ranks: rows split by dp_rank, a plain call the driver waits on, after the branches
+    two_ranks = compile_calls(nodes, _rules(Layout({"critic": 2, "actor": 2})))
+    assert [(c.names, c.beside) for c in two_ranks[1:4]] == [(["old_log_prob"], False), (["ref"], True),
+                                                             (["critic_values"], False)]

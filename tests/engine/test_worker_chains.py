@@ -79,24 +79,28 @@ def runtime(ray_session, tmp_path_factory):
     another run from fresh weights."""
     config = validate_config(_raw(tmp_path_factory.mktemp("chains"), steps=1))
     plan = build_plan(config)
-    backend = RayBackend.start(config, set(ALWAYS_ROLES) | plan.roles())
+    # and a critic, for the plan with three branches (the plans of the tests use subsets of these roles)
+    backend = RayBackend.start(config, set(ALWAYS_ROLES) | plan.roles() | {"critic"})
     try:
         yield Runtime(config, plan, NullObserver(), "chains", backend)
     finally:
         backend.shutdown()
 
 
-def test_a_reference_chain_runs_beside_old_log_prob_and_records_what_running_in_order_records(runtime):
-    """Listed after old_log_prob, the reference model's chain (ref, advantage) reads nothing old_log_prob writes: it
-    starts with it, on its own worker, and is recorded on old_log_prob's output. The lineage is that of the same
-    plan run one call after the other (resources.concurrent_branches false), node for node. Up to the advantage:
-    no weight changes between the two runs."""
-    stages = [s for s in _raw(runtime.config.trainer.output_dir)["stages"] if s["kind"] != "ref"]
+def test_the_reference_and_critic_chains_run_beside_old_log_prob_and_record_what_running_in_order_records(runtime):
+    """PPO with a critic: listed after old_log_prob, the reference model (ref) and the critic's chain
+    (critic_values, advantage) read nothing old_log_prob writes, nor each other's columns: both start with it, each
+    on its own worker, and are recorded on old_log_prob's output. The lineage is that of the same plan run one call
+    after the other (resources.concurrent_branches false), node for node. Up to the advantage: no weight changes
+    between the two runs."""
+    stages = [s for s in _raw(runtime.config.trainer.output_dir)["stages"] if s["kind"] not in ("ref", "advantage")]
     at = next(i for i, s in enumerate(stages) if s["kind"] == "old_log_prob") + 1
-    beside = {**_raw(runtime.config.trainer.output_dir), "stages": stages[:at] + [{"kind": "ref", "impl": "reference"}]
-              + stages[at:]}
+    branches = [{"kind": "ref", "impl": "reference"}, {"kind": "critic_values", "impl": "critic"},
+                {"kind": "advantage", "impl": "gae"}]
+    beside = {**_raw(runtime.config.trainer.output_dir),
+              "stages": stages[:at] + branches + stages[at:] + [{"kind": "critic_update", "impl": "ppo"}]}
     records, prompts, plan = {}, runtime.loader.next_batch(0), build_plan(validate_config(beside))
-    nodes = [n for n in plan.nodes if n.kind not in ("update", "weight_sync")]
+    nodes = [n for n in plan.nodes if n.kind not in ("update", "weight_sync", "critic_update")]
     for name, concurrent in (("in order", False), ("beside", True)):  # resources.concurrent_branches
         recorder = Recorder()
         StepExecutor(plan, runtime.backend, recorder, name, 0, concurrent_branches=concurrent).run(0, prompts, nodes)
@@ -107,15 +111,17 @@ def test_a_reference_chain_runs_beside_old_log_prob_and_records_what_running_in_
         assert (record.input_fingerprint, record.output_fingerprint) == (other.input_fingerprint,
                                                                          other.output_fingerprint), node
     span = {node: (r.start_time, r.start_time + r.duration_s) for node, r in records["beside"].items()}
-    assert span["ref"][0] < span["old_log_prob"][1] and span["old_log_prob"][0] < span["ref"][1]  # at the same time
+    for a, b in (("ref", "old_log_prob"), ("critic_values", "old_log_prob"), ("ref", "critic_values")):
+        assert span[a][0] < span[b][1] and span[b][0] < span[a][1], (a, b, span)  # at the same time
     order = {node: (r.start_time, r.start_time + r.duration_s) for node, r in records["in order"].items()}
-    assert order["old_log_prob"][1] <= order["ref"][0]  # in order, it waited
+    assert order["old_log_prob"][1] <= order["ref"][0] and order["ref"][1] <= order["critic_values"][0]  # waited
     # what rlpipe validate prints (the physical plan, from the config alone) is where each node ran
     static = StepExecutor(plan, StaticPlacement(runtime.config, set(ALWAYS_ROLES) | plan.roles()), NullObserver(),
                           "plan", 0)
     calls = describe_calls(static, nodes)
     assert [(c["nodes"], c["beside"]) for c in calls] == [
-        (["generate", "reward", "balance"], False), (["old_log_prob"], False), (["ref", "advantage"], True)]
+        (["generate", "reward", "balance"], False), (["old_log_prob"], False), (["ref"], True),
+        (["critic_values", "advantage"], True)]
     by_name = {n.name: n for n in nodes}
     for call in calls:
         for name in call["nodes"]:

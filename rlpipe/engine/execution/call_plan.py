@@ -9,8 +9,10 @@ function of the nodes and the placement (no Ray):
 * **hand on** — a worker chain gives its last table straight to the next worker chain (worker to worker,
   not through the driver) when the driver has nothing to do between them (no driver node in it, no mode
   hook before the next one);
-* **beside** — the next worker chain starts together with the current call when no path of the DAG joins
-  them (rlpipe.engine.execution.branches).
+* **beside** — the next worker chains start together with the current call when no path of the DAG joins
+  any two of them and each runs in a place of its own (rlpipe.engine.execution.branches): ``ref`` on its
+  worker and ``critic_values`` on the critic's while the trainer computes ``old_log_prob``. A lone node of a
+  role with one worker starts as a chain of one for that.
 
 The mode hooks (``StepExecutor.before_role``) are part of the input: a node with a hook starts a call of its
 own, so the hook fires between calls, after the nodes before it are done.
@@ -46,11 +48,12 @@ class Call:
     hands_on: bool = False
     """Its last table goes straight to the next call (a worker chain), started at once."""
     beside: bool = False
-    """It starts together with the call before it (a concurrent branch), on that call's input."""
+    """It starts together with the calls before it back to the last call that is not ``beside`` (a concurrent
+    branch), on that call's input."""
 
     @property
     def worker_chain(self) -> bool:
-        return self.role is not None and len(self.nodes) > 1
+        return self.role is not None
 
     @property
     def task_chain(self) -> bool:
@@ -115,16 +118,35 @@ def _is_worker_chain(group: list[Any], role: str | None) -> bool:
     return role is not None and len(group) > 1
 
 
-def beside(nodes: Sequence[Any], group: list[Any], role: str | None, following: list[Any],
-           following_role: str | None, rules: CallRules) -> bool:
-    """Whether the call ``following`` may start together with ``group`` (only a worker chain starts without the
-    driver waiting on it; see rlpipe.engine.execution.branches)."""
-    if not rules.concurrent_branches or not _is_worker_chain(following, following_role):
-        return False
+def _startable(group: list[Any], role: str | None, rules: CallRules) -> str | None:
+    """The role whose one worker can start ``group`` without the driver waiting (a worker chain; a lone node of a
+    role with one worker, as a chain of one), else None."""
+    if _is_worker_chain(group, role):
+        return role
+    node = group[0]
+    if (len(group) == 1 and node.spec.placement == "worker" and rules.placement.group_size(node.spec.role) == 1
+            and not rules.hooked(node)):
+        return node.spec.role
+    return None
+
+
+def _host(group: list[Any], role: str | None, rules: CallRules) -> str | None:
     worker = next((n for n in group if n.spec.placement == "worker"), None)
-    host = rules.placement.host(role or worker.spec.role) if worker is not None else None
-    return runs_beside(group, host, following, rules.placement.host(following_role), {n.name: n for n in nodes},
-                       rules.hooked)
+    return rules.placement.host(role or worker.spec.role) if worker is not None else None
+
+
+def beside(nodes: Sequence[Any], running: list[tuple[list[Any], str | None]], following: list[Any],
+           following_role: str | None, rules: CallRules) -> str | None:
+    """The role whose worker starts the call ``following`` together with the ``running`` calls (each its nodes and
+    its role), or None when it must wait for them (see rlpipe.engine.execution.branches)."""
+    role = _startable(following, following_role, rules) if rules.concurrent_branches else None
+    if role is None:
+        return None
+    by_name = {n.name: n for n in nodes}
+    host = rules.placement.host(role)
+    together = all(runs_beside(group, _host(group, group_role, rules), following, host, by_name, rules.hooked)
+                   for group, group_role in running)
+    return role if together else None
 
 
 def hands_on(group: list[Any], following: list[Any], following_role: str | None, rules: CallRules) -> bool:
@@ -136,21 +158,27 @@ def hands_on(group: list[Any], following: list[Any], following_role: str | None,
 
 
 def compile_calls(nodes: Sequence[Any], rules: CallRules) -> tuple[Call, ...]:
-    """The calls one run of ``nodes`` makes, in order. A call started beside another comes right after it;
+    """The calls one run of ``nodes`` makes, in order. The calls started beside another come right after it;
     a chain handed a table is never started beside anything (it already started, on its own input)."""
     calls: list[Call] = []
     i, handed = 0, False
     while i < len(nodes):
         group, role = fusable(nodes, i, rules)
         after = i + len(group)
+        running = [(group, role)]
+        branches: list[Call] = []
+        while not handed and after < len(nodes):
+            candidate, candidate_role = fusable(nodes, after, rules)
+            starts_as = beside(nodes, running, candidate, candidate_role, rules)
+            if starts_as is None:
+                break
+            branches.append(Call(tuple(candidate), after, starts_as, False, True))
+            running.append((candidate, starts_as))
+            after += len(candidate)
         pair = fusable(nodes, after, rules) if after < len(nodes) else None
-        starts_beside = not handed and pair is not None and beside(nodes, group, role, *pair, rules)
-        gives = (_is_worker_chain(group, role) and not starts_beside and pair is not None
+        gives = (_is_worker_chain(group, role) and not branches and pair is not None
                  and hands_on(group, *pair, rules))
         calls.append(Call(tuple(group), i, role if _is_worker_chain(group, role) else None, gives))
-        if starts_beside:
-            second, second_role = pair
-            calls.append(Call(tuple(second), after, second_role, False, True))
-            after += len(second)
+        calls.extend(branches)
         i, handed = after, gives
     return tuple(calls)

@@ -104,16 +104,19 @@ class StepExecutor(StepRecords):
             k = 0
             while k < len(calls):
                 call = calls[k]
-                partner = calls[k + 1] if k + 1 < len(calls) and calls[k + 1].beside else None
-                # a concurrent branch starts now, on this call's input, and is recorded on its output
-                beside = self._start_chain(step, partner, table, extras) if partner is not None else None
+                partners = []
+                while k + 1 + len(partners) < len(calls) and calls[k + 1 + len(partners)].beside:
+                    partners.append(calls[k + 1 + len(partners)])
+                # the concurrent branches start now, on this call's input, and are recorded, in plan order, on the
+                # output of the calls before them: they read nothing those write
+                besides = [self._start_chain(step, partner, table, extras) for partner in partners]
                 table, node_metrics, fp, handed = self._run_call(step, call, calls[k + 1] if call.hands_on else None,
                                                                  table, fp, extras, handed)
                 metrics.update(node_metrics)
-                if beside is not None:
-                    table, node_metrics, fp = self.finish_chain(step, beside, table, fp)
+                for started in besides:
+                    table, node_metrics, fp = self.finish_chain(step, started, table, fp)
                     metrics.update(node_metrics)
-                k += 1 if partner is None else 2
+                k += 1 + len(partners)
         except BaseException:
             # whatever ended the step (a mode hook, an interrupt), the nodes that ran keep their records; the
             # error that ended it is the one raised

@@ -47,7 +47,7 @@ class StaticPlacement:
 def describe_calls(executor, nodes: list[Any]) -> list[dict[str, Any]]:
     """The calls one run of ``nodes`` makes, in order (``executor.calls``): ``nodes`` (names), ``where``
     (``rollout×1``, ``task``, ``driver`` ...), ``hands_on`` (its last table goes straight to the next call),
-    ``beside`` (starts with the call before it: a concurrent branch)."""
+    ``beside`` (starts with the calls before it back to the last one that is not beside: a concurrent branch)."""
     return [_call(executor, call) for call in executor.calls(nodes)]
 
 
@@ -65,9 +65,11 @@ def _call(executor, call) -> dict[str, Any]:
 def format_calls(calls: list[dict[str, Any]]) -> list[str]:
     """One line per call, for the terminal."""
     lines = []
+    leader = 0
     for k, call in enumerate(calls, 1):
+        leader = leader if call["beside"] else k
         notes = [note for note, on in (("hands its table to the next call", call["hands_on"]),
-                                       (f"runs beside call {k - 1}", call["beside"])) if on]
+                                       (f"runs beside call {leader}", call["beside"])) if on]
         lines.append(f"  {k}. {call['where']}: {', '.join(call['nodes'])}" + (f"  ({'; '.join(notes)})" if notes
                                                                                  else ""))
     return lines

@@ -43,9 +43,9 @@ def _layout(summary: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, tu
     for part in parts:
         boxes.append({"title": part["part"], "x": x, "y": GAP})
         x_part = x
-        row_start = x
+        row_start, row = x, 0
         for call in part["calls"]:
-            row = 1 if call["beside"] else 0
+            row = row + 1 if call["beside"] else 0  # each concurrent branch one row below the one before it
             start = row_start if call["beside"] else x
             left = start
             for name in call["nodes"]:
