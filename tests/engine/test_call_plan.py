@@ -131,3 +131,6 @@ def test_the_reference_and_the_critic_start_beside_old_log_prob_each_on_its_own_
     two_ranks = compile_calls(nodes, _rules(Layout({"critic": 2, "actor": 2})))
     assert [(c.names, c.beside) for c in two_ranks[1:4]] == [(["old_log_prob"], False), (["ref"], True),
                                                              (["critic_values"], False)]
+    # in one process (no worker chains) every call waits for the one before it
+    inline = compile_calls(nodes, _rules(task_stages_in_workers=False, chains_tasks=False))
+    assert not any(c.beside for c in inline)

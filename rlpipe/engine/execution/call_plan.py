@@ -120,12 +120,12 @@ def _is_worker_chain(group: list[Any], role: str | None) -> bool:
 
 def _startable(group: list[Any], role: str | None, rules: CallRules) -> str | None:
     """The role whose one worker can start ``group`` without the driver waiting (a worker chain; a lone node of a
-    role with one worker, as a chain of one), else None."""
+    role with one worker, as a chain of one, where the backend runs worker chains), else None."""
     if _is_worker_chain(group, role):
         return role
     node = group[0]
-    if (len(group) == 1 and node.spec.placement == "worker" and rules.placement.group_size(node.spec.role) == 1
-            and not rules.hooked(node)):
+    if (rules.task_stages_in_workers and len(group) == 1 and node.spec.placement == "worker"
+            and rules.placement.group_size(node.spec.role) == 1 and not rules.hooked(node)):
         return node.spec.role
     return None
 
