@@ -28,8 +28,10 @@ group stored by any replica — for ``stall_timeout_s`` while the trainer waits
 for a batch fails the run, naming each replica's state (a hung feeder loop, an
 engine step that never returns).
 
-Left out: the hybrid "borrow" of the trainer as a rollout engine when the pool
-starves (optional in the issue).
+When the pool cannot keep the trainer fed, ``mode_params.borrow`` lends the idle trainer to
+generation for a while (the hybrid borrow, rlpipe.modes.borrow): past ``after_s`` of waiting, with
+the buffer short of a batch, trainer rank 0 generates a few groups with its current weights, scores
+and stores them as a replica's feeder would, and the driver goes back to waiting. Off by default.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import pyarrow as pa
 from pydantic import Field
@@ -45,7 +48,9 @@ from pydantic import Field
 from rlpipe.engine.state.roles import WORKER_ROLES
 from rlpipe.engine.state.rollout_feeder import HeadStage
 from rlpipe.errors import ConfigError, RlpipeError
-from rlpipe.modes.async_common import AsyncMode, AsyncParams, RolloutStalled, check_async, group_order
+from rlpipe.modes.async_common import (AsyncMode, AsyncParams, RolloutStalled, check_async, group_order,
+                                       sampler_settings, split_plan)
+from rlpipe.modes.borrow import BorrowParams, TrainerBorrow, check_borrow
 from rlpipe.registry import registry
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,9 @@ class SeparateAsyncParams(AsyncParams):
     stall_timeout_s: float = Field(600.0, gt=0)
     """Fail the run when, while the trainer waits for a batch, no rollout replica has generated a token,
     pulled a prompt or stored a group for this many seconds (a hung feeder or engine)."""
+    borrow: BorrowParams = Field(default_factory=BorrowParams)
+    """The hybrid borrow: when the rollout pool cannot keep the trainer fed, the trainer generates some groups
+    itself, then goes back to training (docs/modes.md)."""
 
 
 def _pool_role(node) -> bool:
@@ -91,12 +99,27 @@ class SeparateAsyncMode(AsyncMode):
                 f"trainer.ppo_mini_batch_size; {data.prompts_per_step} is not a multiple of "
                 f"parameter_sync_step={trainer.parameter_sync_step}"
             )
+        params = plan.mode_params
+        if params.borrow.enabled:
+            head, _ = split_plan(plan)
+            off_feeder = [n.name for n in head if n.spec.placement != "task" and not _pool_role(n)]
+            if off_feeder:
+                raise ConfigError(
+                    f"mode_params.borrow.enabled: the generation-side stage(s) {off_feeder} run on workers the "
+                    "rollout feeders cannot call, so the driver scores every group itself and there is no feeder "
+                    "path to borrow into; run them as tasks or on a pool role, or turn the borrow off")
+            check_borrow(config, params.borrow, sampler_settings(config, params)[0])
 
     def __init__(self, runtime, params):
         super().__init__(runtime, params)
         self._settled_aborted = 0
         """Requests the settled deferred pushes aborted (and the replicas resumed), for the step's metrics."""
         self._settle_lock = threading.Lock()
+        self._draw_lock = threading.Lock()
+        """The refill thread and a borrow (the driver's thread) both draw prompts from the loader."""
+        self.borrow = TrainerBorrow(self, params.borrow)
+        self._feeder_head: tuple[list[HeadStage], dict[str, list]] = ([], {})
+        """The generation-side stages and pool workers the replicas' feeders got (a borrow runs them alike)."""
 
     def run(self) -> None:
         try:
@@ -138,7 +161,8 @@ class SeparateAsyncMode(AsyncMode):
                 run, early = early, None  # begun when the previous step's push was done, on a batch sampled then
                 batch = run.table if run is not None else None
                 while batch is None:
-                    if (batch := self.sampler("sample_wait", groups, step, HEALTH_CHECK_S)) is not None:
+                    timeout = self.borrow.wait_s(time.time() - waited, HEALTH_CHECK_S)
+                    if (batch := self.sampler("sample_wait", groups, step, timeout)) is not None:
                         batch = group_order(batch)
                         break
                     self._drain(step)  # raises a replica's failure instead of waiting for it forever
@@ -147,11 +171,17 @@ class SeparateAsyncMode(AsyncMode):
                     # them as occupying capacity: refill them, or the trainer waits for prompts never sent
                     if self._refills[-1].done():
                         self._refills.append(refills.submit(self._top_up, step))
+                    # the pool cannot keep the trainer fed: lend the trainer to generation for a while
+                    self.borrow.maybe(step, time.time() - waited, groups, *self._feeder_head)
                 self._progress = None
                 # replace the consumed groups while the trainer trains (joined before the step ends)
                 self._refills.append(refills.submit(self._top_up, step))
                 wait_s = time.time() - waited
-                table, metrics = self.finish_training(step, run or self.start_training(step, batch, threshold), wait_s)
+                lent_groups, lent_s = self.borrow.take()
+                table, metrics = self.finish_training(step, run or self.start_training(step, batch, threshold), wait_s,
+                                                      lent_s)
+                if self.params.borrow.enabled:
+                    metrics.update({"rollout/borrowed_groups": float(lent_groups), "rollout/borrow_s": lent_s})
                 # the next step's batch, if the buffer holds one now: its training starts while the driver writes
                 # this step's records and ends it
                 if (following := self._sample_early(step, groups)) is not None:
@@ -172,11 +202,19 @@ class SeparateAsyncMode(AsyncMode):
         batch = self.sampler("sample_wait", groups, step + 1, 0.0)
         return group_order(batch) if batch is not None else None
 
+    def draw(self, step: int, count: Callable[[], int]) -> int:
+        """Draw ``count()`` prompts at ``step`` into the buffer; returns how many. The count is asked under the
+        draw lock: the refill thread and a borrow never both fill the same room (under wait, past it)."""
+        with self._draw_lock:
+            drawn = count()
+            self.add_prompts(step, drawn)
+            return drawn
+
     def _top_up(self, step: int) -> None:
         # prompts submitted at `step` must be generated by versions ≥ step: the push that ended
         # the previous step has to be loaded first
         self.settle_pushes()
-        self.add_prompts(step, self.sampler("refill_needed", step))
+        self.draw(step, lambda: self.sampler("refill_needed", step))
 
     def settle_pushes(self) -> None:
         """Wait for the deferred pushes; the requests they aborted count in the step's metrics. The refill
@@ -198,6 +236,7 @@ class SeparateAsyncMode(AsyncMode):
         store = max(1, groups // (4 * self.replicas))
         rt.workers.call("rollout", "feed_start", rt.workers.handle("sampler"), head, self.gen_params,
                         -(-capacity // self.replicas), store, self.params.poll_s, rt.config.seed, pools)
+        self._feeder_head = (head, pools)
 
     def _drain(self, step: int, futures: list | None = None) -> list[dict[str, float]]:
         """Hand the replicas' lineage records to the observer (as work of ``step``); their service stats.

@@ -121,7 +121,8 @@ class Calibration(Strict):
 def calibrate(recording: Recording) -> Calibration:
     """The :class:`Calibration` of a recorded run."""
     config = recording.config
-    records = [r for r in recording.records if not r.error]
+    # the trainer's borrowed generation (separate_async's mode_params.borrow) is not modelled: left out
+    records = [r for r in recording.records if not r.error and not r.worker.endswith("(borrowed)")]
     steps = sorted({r.step for r in records})
     warmup = steps[:1] if len(steps) > 1 else []
     fitted = [r for r in records if r.step not in warmup]

@@ -187,6 +187,12 @@ class ReplayBuffer:
             need = min(need, self._room(self._step if submit_step is None else submit_step))
         return need
 
+    def room(self, submit_step: int) -> int:
+        """Prompts ``add_prompts`` accepts at ``submit_step`` beyond the capacity (separate_async's hybrid borrow
+        draws there; later refills shrink by as many): under wait the staleness schedule's room, under drop no
+        bound but the caller's."""
+        return self._room(submit_step) if self.params.strategy == "wait" else 1 << 30
+
     def next_pending(self, k: int) -> pa.Table:
         """Up to ``k`` pending prompts, oldest first, now marked running (the rollout side's pull)."""
         picked: list[_Prompt] = []

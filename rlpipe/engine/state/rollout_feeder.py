@@ -22,7 +22,9 @@ not generation of what is already submitted). Any other worker stage makes the
 mode fall back to driver-side collection. Each execution is kept as a
 lineage record (fingerprints, rows, versions, duration, metrics) that the
 driver drains once per step and hands to the observer, so MLflow sees the same
-``generate`` and ``reward`` executions as when the driver scores.
+``generate`` and ``reward`` executions as when the driver scores. The trainer's hybrid borrow
+(:mod:`rlpipe.engine.state.borrowed_rollout`) runs its groups through the same two steps,
+:func:`begin_scoring` and :func:`advance_scoring`.
 
 A failure (an engine error, a reward stage raising) stops the feeder; the error,
 a :class:`~rlpipe.errors.StageError` naming kind, impl and step, is raised by
@@ -132,7 +134,7 @@ class RolloutFeeder:
     def _loop(self) -> None:
         try:
             parts: list[pa.Table] = []  # scored tables not yet stored
-            pending: list[_Scoring] = []  # collected tables still in the generation-side stages (the pool)
+            pending: list[Scoring] = []  # collected tables still in the generation-side stages (the pool)
             last_pull = 0.0
             while not self._stop.is_set():
                 self._beat = time.monotonic()
@@ -187,51 +189,23 @@ class RolloutFeeder:
         with self._lock:
             self._counts["pulled"] += prompts.num_rows
 
-    def _begin(self, table: pa.Table, collect_start: float) -> "_Scoring":
+    def _begin(self, table: pa.Table, collect_start: float) -> Scoring:
         """A collected table entering the generation-side stages (its generate record kept for the driver)."""
-        step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
-        record = {"node": "generate", **execution_fields(None, table, collect_start, time.time() - collect_start,
-                                                           {"generate/collected_rows": float(table.num_rows)})}
-        uids = pc.unique(table.column(UID)).to_pylist()
+        scoring = begin_scoring(table, collect_start, {"generate/collected_rows": float(table.num_rows)})
         with self._lock:
-            self._generated.extend(uids)
-        groups = len(uids)
-        return _Scoring(table, step, record["output_fingerprint"], [record], groups)
+            self._generated.extend(scoring.uids)
+        return scoring
 
-    def _advance(self, s: "_Scoring") -> pa.Table | None:
+    def _advance(self, s: Scoring) -> pa.Table | None:
         """Run ``s`` through the next stages until a pool call is still out (None) or all are done (the table)."""
-        while s.next < len(self.head):
-            node = self.head[s.next]
-            ctx = StageContext(step=s.step, seed=self.run_seed, policy_version=int(self.service.engine.version),
-                               extras=self.extras)
-            try:
-                if node.role is None:
-                    start = time.time()
-                    result = call_with_deadline(lambda: run_stage(node.kind, node.impl, node.params, s.table, ctx),
-                                                node.timeout_s, f"{self._thread.name} (the rollout replica's feeder)")
-                else:
-                    if s.call is None:  # hand the rows to the pool and come back on a later turn
-                        s.call = self.pools[node.role].submit(node, s.table, ctx)
-                        return None
-                    if not s.call.ready():
-                        return None
-                    start, result = s.call.started, s.call.result()
-                    s.call = None
-                out = apply_result(node, s.table, result)
-            except StageError:
-                raise
-            except StageTimeout as exc:
-                raise StageError(node.kind, node.impl, s.step, f"node {node.name!r} timed out: {exc}") from None
-            except Exception as exc:
-                raise StageError(node.kind, node.impl, s.step, exc) from exc
-            took = time.time() - start
-            rec = {"node": node.name, **execution_fields(s.table, out, start, took, result.metrics, s.fp)}
-            s.records.append(rec)
-            s.table, s.fp, s.next = out, rec["output_fingerprint"], s.next + 1
-        with self._lock:
-            self._records.extend(s.records)
-            self._counts["score_s"] += sum(r["duration_s"] for r in s.records[1:])
-        return s.table
+        ctx = StageContext(step=s.step, seed=self.run_seed, policy_version=int(self.service.engine.version),
+                           extras=self.extras)
+        out = advance_scoring(s, self.head, self.pools, ctx, f"{self._thread.name} (the rollout replica's feeder)")
+        if out is not None:
+            with self._lock:
+                self._records.extend(s.records)
+                self._counts["score_s"] += sum(r["duration_s"] for r in s.records[1:])
+        return out
 
     # -- the driver's side ---------------------------------------------------------
 
@@ -256,7 +230,7 @@ class RolloutFeeder:
 
 
 @dataclass
-class _Scoring:
+class Scoring:
     """Collected groups on their way through the generation-side stages."""
 
     table: pa.Table
@@ -265,10 +239,55 @@ class _Scoring:
     fp: str
     """Fingerprint of ``table`` (the next record's input)."""
     records: list[dict[str, Any]]
-    groups: int
-    """Prompt groups in ``table`` (they count against the replica's ``max_groups``)."""
+    uids: list[str]
+    """The prompt uids of the groups in ``table`` (they count against the replica's ``max_groups``)."""
     next: int = 0
     """Index of the next head stage to run."""
     call: PendingCall | None = None
     """The pool call of head stage ``next`` while it runs."""
 
+    @property
+    def groups(self) -> int:
+        return len(self.uids)
+
+
+def begin_scoring(table: pa.Table, start: float, metrics: dict[str, float], prompts: pa.Table | None = None) -> Scoring:
+    """Generated groups (``table``, generation began at ``start``) entering the generation-side stages, with the
+    lineage record of their generation (``prompts``: its input, when known)."""
+    step = int(table.column(PROMPT_STEP).to_numpy().max())  # what these rows' generate stage had as step
+    record = {"node": "generate", **execution_fields(prompts, table, start, time.time() - start, metrics)}
+    return Scoring(table, step, record["output_fingerprint"], [record], pc.unique(table.column(UID)).to_pylist())
+
+
+def advance_scoring(s: Scoring, head: list[HeadStage], pools: dict[str, PoolClient], ctx: StageContext,
+                    where: str) -> pa.Table | None:
+    """Run ``s`` through its next head stages (a record each) until a pool call is still out (None: call again
+    later) or all are done (the scored table). ``where`` names the caller in a timeout's message. Raises a
+    StageError naming the node's kind, impl and the rows' step."""
+    while s.next < len(head):
+        node = head[s.next]
+        try:
+            if node.role is None:
+                start = time.time()
+                result = call_with_deadline(lambda: run_stage(node.kind, node.impl, node.params, s.table, ctx),
+                                            node.timeout_s, where)
+            else:
+                if s.call is None:  # hand the rows to the pool and come back on a later turn
+                    s.call = pools[node.role].submit(node, s.table, ctx)
+                    return None
+                if not s.call.ready():
+                    return None
+                start, result = s.call.started, s.call.result()
+                s.call = None
+            out = apply_result(node, s.table, result)
+        except StageError:
+            raise
+        except StageTimeout as exc:
+            raise StageError(node.kind, node.impl, s.step, f"node {node.name!r} timed out: {exc}") from None
+        except Exception as exc:
+            raise StageError(node.kind, node.impl, s.step, exc) from exc
+        took = time.time() - start
+        rec = {"node": node.name, **execution_fields(s.table, out, start, took, result.metrics, s.fp)}
+        s.records.append(rec)
+        s.table, s.fp, s.next = out, rec["output_fingerprint"], s.next + 1
+    return s.table

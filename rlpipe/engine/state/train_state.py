@@ -314,6 +314,15 @@ class TrainState:
     def get_version(self) -> int:
         return self.version
 
+    def borrowed_rollout(self, *args: Any) -> dict:
+        """separate_async's hybrid borrow: generate, score and store groups with this rank's current weights
+        (:mod:`rlpipe.engine.state.borrowed_rollout`; its engine is built on the first borrow)."""
+        if getattr(self, "_borrowed", None) is None:
+            from rlpipe.engine.state.borrowed_rollout import BorrowedRollout
+
+            self._borrowed = BorrowedRollout(self)
+        return self._borrowed.run(*args)
+
     def save_hf(self, path: str) -> str:
         """Save the policy as a HF model directory on rank 0 (call on every rank: a sharded model is gathered)."""
         from rlpipe.backends.model import save_hf_model

@@ -125,7 +125,7 @@ class TrajectoryStory:
     prompt_step: int | None
     """The step that drew its prompt (in async modes, earlier than the consuming step)."""
     replica: int | None
-    """The rollout replica that generated it (None: not recorded)."""
+    """The rollout replica that generated it (None: not recorded; -1: the trainer, separate_async's borrow)."""
     num_tokens: int
     min_version: int | None
     max_version: int | None

@@ -367,7 +367,10 @@ TRAJECTORY_LINEAGE_SCHEMA = pa.schema(
     ]
 )
 """Schema of :func:`trajectory_lineage`; version columns are null for rows without stamped tokens,
-``replica`` where the rollout replica is unknown."""
+``replica`` where the rollout replica is unknown (:data:`BORROWED_REPLICA` where the trainer generated it)."""
+
+BORROWED_REPLICA = -1
+"""The ``replica`` of a trajectory the trainer generated (separate_async's hybrid borrow, rlpipe.modes.borrow)."""
 
 
 def _replicas(table: pa.Table, replicas: dict[str, int] | None) -> pa.Array:
