@@ -1,4 +1,5 @@
-"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, simulate, spool replay, vllm-serve."""
+"""``rlpipe`` command line: run, validate, stages, lineage, replay, runs, simulate, report, spool replay,
+vllm-serve."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlpipe import cli_lineage, cli_simulate
+from rlpipe import cli_lineage, cli_report, cli_simulate
 from rlpipe.errors import ConfigError, RlpipeError
 
 console = Console(stderr=True)
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                              "repeatable")
     cli_lineage.add_commands(sub)
     cli_simulate.add_commands(sub)
+    cli_report.add_commands(sub)
     spool = sub.add_parser("spool", help="tracking calls a run could not deliver (tracking_spool.jsonl)")
     spool_sub = spool.add_subparsers(dest="spool_command", required=True)
     replay = spool_sub.add_parser("replay", help="send a run's spooled tracking calls to MLflow, into the same run")
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return cli_lineage.run_command(args)
         if args.command == "simulate":
             return cli_simulate.run_command(args)
+        if args.command == "report":
+            return cli_report.run_command(args)
         if args.command == "spool":
             return _spool_replay(args.path, args.tracking_uri)
         if args.command == "vllm-serve":
@@ -222,8 +226,13 @@ def _vllm_serve(path: str, overrides: list[str], port: int | None) -> int:
     model = build_model(config.model, tokenizer, config.seed)
     params = with_context_length(params, model)
     root = Path(config.trainer.output_dir) / config.name / "vllm-serve"
+    lora = None
+    if config.trainer.lora is not None:  # the runs that attach push adapters: serve them (rlpipe.inference.vllm_lora)
+        from rlpipe.inference.vllm_lora import mode_params_of, server_lora
+
+        lora = server_lora(config.trainer.lora, params.max_loras, mode_params_of(config))
     server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name=f"{config.name}-vllm",
-                        port=port)
+                        port=port, lora=lora)
     Console().print(f"serving on [bold]{server.url}[/] (log {server.log_path}); attach a run with\n"
                     f"  rlpipe run {path} -o 'stages.generate.params.server.urls=[\"{server.url}\"]'\n"
                     "Ctrl-C stops it.", highlight=False)

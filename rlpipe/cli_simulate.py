@@ -71,16 +71,16 @@ def _fmt(value, spec: str = ".3g") -> str:
     return format(value, spec)
 
 
-def print_table(result, overrides: list[str]) -> None:
+def title(result, overrides: list[str]) -> str:
+    """What was simulated, on which run (the table's title; the run report's too)."""
     p, cal = result.prediction, result.calibration
-    out = Console()
     changed = ", ".join(overrides) if overrides else "no change"
-    table = Table(title=f"rlpipe simulate: run {cal.run_id[:12]} ({cal.recorded_mode}) → {p.mode} ({changed}), "
-                        f"{p.steps} steps")
-    table.add_column("figure")
-    table.add_column("predicted", justify="right")
-    table.add_column("recorded run", justify="right")
-    m = cal.measured
+    return f"rlpipe simulate: run {cal.run_id[:12]} ({cal.recorded_mode}) → {p.mode} ({changed}), {p.steps} steps"
+
+
+def comparison_rows(result) -> list[tuple[str, str, str]]:
+    """(figure, predicted, recorded run) per figure: the table's rows (the run report shows them too)."""
+    p, m = result.prediction, result.calibration.measured
     rows = [
         ("steps/s", _fmt(p.steps_per_s), _fmt(m and m.steps_per_s)),
         ("samples/s", _fmt(p.samples_per_s), _fmt(m and m.samples_per_s)),
@@ -93,8 +93,17 @@ def print_table(result, overrides: list[str]) -> None:
         ("groups dropped / prompts submitted per step", f"{p.dropped_per_step:.2f} / {p.submitted_per_step:.2f}", "-"),
         ("long rollouts dropped", _fmt(p.long_dropped_share, ".0%"), "-"),
     ]
-    rows += [(f"busy: {worker}", f"{share:.0%}", "-") for worker, share in p.busy_share.items()]
-    for row in rows:
+    return rows + [(f"busy: {worker}", f"{share:.0%}", "-") for worker, share in p.busy_share.items()]
+
+
+def print_table(result, overrides: list[str]) -> None:
+    p = result.prediction
+    out = Console()
+    table = Table(title=title(result, overrides))
+    table.add_column("figure")
+    table.add_column("predicted", justify="right")
+    table.add_column("recorded run", justify="right")
+    for row in comparison_rows(result):
         table.add_row(*row)
     out.print(table)
     colour = {"ok": "green", "starves": "yellow", "no_progress": "bold red"}[p.verdict]

@@ -296,3 +296,27 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     assert runs.resolve_tracking_uri(None) == "http://tracking:5000"
     assert runs.resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
     assert MLflowObserver(TrackingConfig(), "x").tracking_uri == "http://tracking:5000"
+
+
+def test_the_run_end_writes_the_report(finished, tmp_path):
+    _, run_id, client, _ = finished
+    page = open(client.download_artifacts(run_id, "report.html", str(tmp_path)), encoding="utf-8").read()
+    assert 'id="timeline"' in page and page.count('class="bar"') == 3  # step 1's nodes (step 0: warm-up)
+    assert page.count('<div class="traj">') == 6 and "tokens are shown as [ids]" in page  # no tokenizer saved
+
+
+def test_a_report_that_fails_is_a_warning_not_a_failure(store, caplog):
+    _, uri = store
+    obs = MLflowObserver(TrackingConfig(uri=uri, experiment="obs"), "no-report")
+    run_id = obs.on_run_start(CONFIG, PIPELINE_YAML, SUMMARY)
+    feed(obs, run_id, [0])
+
+    def broken(status):
+        raise ValueError("a bug in the report")
+
+    obs._report = broken
+    obs.on_run_end("FINISHED")
+    assert obs.failures == []  # not a tracking failure: nothing for the spool
+    assert "report.html" not in artifact_paths(obs.client, run_id)
+    assert "a bug in the report" in caplog.text and f"rlpipe report {run_id}" in caplog.text
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FINISHED"

@@ -1,14 +1,16 @@
 """What an :class:`~rlpipe.engine.tracking.mlflow_observer.MLflowObserver` writes as artifacts of its parent run.
 
 The per-step lineage parts and the whole-run lineage files, the sampled trajectories, the recorded node
-inputs (``batches/``, for ``rlpipe replay``), the browsable tables and figures, and the files handed to
-``on_artifact`` (the layout is in the observer's module docstring). Kept apart from the observer, which
+inputs (``batches/``, for ``rlpipe replay``), the browsable tables and figures, the run report, and the files
+handed to ``on_artifact`` (the layout is in the observer's module docstring). Kept apart from the observer, which
 keeps the Observer protocol, the run's start and resume, and the buffered metrics and traces: these
 methods only write out what the observer has collected.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,14 @@ from rlpipe.engine.tracking.lineage import params_json, records_to_table
 from rlpipe.engine.tracking.mlflow_names import key as _key
 from rlpipe.engine.tracking.observer import NodeRecord
 
+log = logging.getLogger(__name__)
+
 
 class ArtifactWriter:
     """Mixin of :class:`~rlpipe.engine.tracking.mlflow_observer.MLflowObserver`: its artifact writes.
 
-    The observer provides ``client``, ``run_id``, ``tracking``, ``_tmp`` (the local staging folder),
-    ``_artifact_uri`` and what it collected: ``_records``, ``_trajectory_lineage``, ``_trajectory_rows``,
+    The observer provides ``client``, ``run_id``, ``tracking``, ``tracking_uri``, ``_tmp`` (the local staging
+    folder), ``_artifact_uri`` and what it collected: ``_records``, ``_trajectory_lineage``, ``_trajectory_rows``,
     ``_dirty_steps`` and ``_rewards``. Callers hold the observer's lock.
     """
 
@@ -87,6 +91,30 @@ class ArtifactWriter:
         lineage = pa.concat_tables(self._trajectory_lineage) if self._trajectory_lineage else None
         by_step = {step: list(recs.values()) for step, recs in self._records.items()}
         figures.log_figures(self.client, self.run_id, self._rewards, by_step, lineage)
+
+    def _write_report(self, status: str) -> None:
+        """``report.html`` (:mod:`~rlpipe.engine.tracking.report`) from the records, trajectory lineage and rewards
+        held here; the sampled trajectories (a bounded few) and the tokenizer are read back from the store.
+
+        Never raises and is not a tracking failure: the report only shows what is already stored, so one that
+        cannot be written is a warning (``rlpipe report RUN`` writes it later), not a call for the spool."""
+        try:
+            self._report(status)
+        except Exception as exc:  # noqa: BLE001 - whatever broke, the run and its tracking go on
+            log.warning("the run report (report.html) was not written: %s: %s; `rlpipe report %s` writes it",
+                        type(exc).__name__, exc, self.run_id, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def _report(self, status: str) -> None:
+        from rlpipe.engine.tracking import report
+        from rlpipe.engine.tracking.report.read import gather
+
+        records = [r for step in sorted(self._records) for r in self._step_records(step)]
+        lineage = pa.concat_tables(self._trajectory_lineage) if self._trajectory_lineage else None
+        started = time.perf_counter()
+        data = gather(self.run_id, self.tracking_uri, status=status, records=records, trajectory_lineage=lineage,
+                      rewards=self._rewards)
+        self.client.log_artifact(self.run_id, str(report.write(data, self._tmp / report.REPORT_ARTIFACT)))
+        log.info("run report written in %.2f s", time.perf_counter() - started)
 
     def _step_records(self, step: int) -> list[NodeRecord]:
         return sorted(self._records.get(step, {}).values(), key=lambda r: r.start_time)

@@ -19,8 +19,9 @@ Layout of what it writes (readable with the plain MLflow client, or with
   browsable ``tables/trajectories.json`` and ``tables/lineage.json``
   (:mod:`~rlpipe.engine.tracking.ui_tables`) and ``figures/*.png``
   (:mod:`~rlpipe.engine.tracking.figures`), redrawn every ``tracking.figures_every`` steps
-  and at the end; with ``tracking.record_batches_every``, ``batches/step_XXXXXX/<node>.parquet``
-  and ``.json`` (a node's input and stage context, for ``rlpipe replay``).
+  and at the end; ``report.html`` at the end (:mod:`~rlpipe.engine.tracking.report`); with
+  ``tracking.record_batches_every``, ``batches/step_XXXXXX/<node>.parquet`` and ``.json``
+  (a node's input and stage context, for ``rlpipe replay``).
 * one **trace** per executed step (:mod:`rlpipe.engine.tracking.traces`), linked to
   the parent run: a root span ``step N`` and one span per node execution with its
   recorded start and end, so the UI's trace timeline shows the step DAG (and, in the
@@ -248,6 +249,7 @@ class MLflowObserver(ArtifactWriter):
                 self._queue_trace(step, error or f"run ended {status}")
             self._guard("logging step traces", self._flush_traces)
             self._guard("drawing the figures and tables", self._write_views)
+            self._write_report(status)  # a view of what is written: a failure is a warning, never a spooled call
             if error:
                 self._guard("recording the error", self._log_error, error)
             end = int(time.time() * 1000)
