@@ -50,6 +50,8 @@ CASES = {
                                                  r"\(8\) = 72 exceeds the model's 32 positions"),
     "urls_not_one_per_replica.yaml": (ConfigError, r"stages\[generate\]\.params\.server\.urls names 1 server\(s\) "
                                                   r"for resources\.rollout_replicas=2; give one address per rollout replica"),
+    "lora_too_few_adapter_slots.yaml": (ConfigError, r"stages\[generate\]\.params\.server\.max_loras=2: a LoRA run on "
+                                                    r"vLLM needs an adapter slot per policy version .* set max_loras to 3"),
     # issue 23 item 4: what a verl/TRL user's job gets wrong, caught by validate
     "prompt_longer_than_max.yaml": (ConfigError, r"data: the prompt of tests/fixtures/data/long_prompts\.jsonl:2 of dataset 'jsonl' has 16 tokens > "
                                                  r"data\.max_prompt_length=8 \(2 of the 3 rows checked are too long\)"),

@@ -154,17 +154,9 @@ class MergedAdapter:
         self.names = targets(model, cfg.target_modules)
         self.base = {n: model.get_submodule(n).weight.detach().clone() for n in self.names}
         """The base weight of every adapted module, as the engine's model was built."""
-        self.slots = torch.nn.Module()
+        self.slots = adapter_holder(model, self.names, cfg.rank)
         """A module tree holding ``<module>.lora_A`` / ``.lora_B`` (float32) under the trainer's names: a push is
         checked and loaded into it by the ordinary bucket loaders."""
-        for name in self.names:
-            weight = self.base[name]
-            slot = torch.nn.Module()
-            slot.lora_A = torch.nn.Parameter(torch.zeros(cfg.rank, weight.shape[1], device=weight.device),
-                                             requires_grad=False)
-            slot.lora_B = torch.nn.Parameter(torch.zeros(weight.shape[0], cfg.rank, device=weight.device),
-                                             requires_grad=False)
-            _put(self.slots, name, slot)
 
     @property
     def weight_names(self) -> list[str]:
@@ -190,6 +182,20 @@ class MergedAdapter:
             else:
                 weight.copy_(merged(base, slot.lora_A, slot.lora_B, self.scale))
         return loaded
+
+
+def adapter_holder(model: torch.nn.Module, names: Sequence[str], rank: int) -> torch.nn.Module:
+    """A module tree with zero float32 ``<module>.lora_A`` [rank, in] / ``.lora_B`` [out, rank] for each adapted
+    module of ``model`` in ``names``, under the trainer's names: an engine loads an adapter push into it with the
+    ordinary bucket loaders (checksums, names, shapes, full coverage checked; other float dtypes converted)."""
+    holder = torch.nn.Module()
+    for name in names:
+        weight = model.get_submodule(name).weight
+        slot = torch.nn.Module()
+        slot.lora_A = torch.nn.Parameter(torch.zeros(rank, weight.shape[1], device=weight.device), requires_grad=False)
+        slot.lora_B = torch.nn.Parameter(torch.zeros(weight.shape[0], rank, device=weight.device), requires_grad=False)
+        _put(holder, name, slot)
+    return holder
 
 
 def _put(root: torch.nn.Module, dotted: str, module: torch.nn.Module) -> None:

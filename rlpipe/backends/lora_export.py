@@ -84,9 +84,7 @@ def save_lora_model(trainer, path: str) -> str:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named}
     if cfg.export == "adapter":
-        save_file({f"base_model.model.{k}.weight": v for k, v in tensors.items()}, out / "adapter_model.safetensors",
-                  metadata={"format": "pt"})
-        (out / "adapter_config.json").write_text(json.dumps(_peft_config(trainer), indent=2))
+        write_peft_adapter(out, tensors, cfg, trainer.config.model.path)
         # a sharded rank holds a shard of the base: its checksum would not identify the whole base
         checksum = None if trainer.backend.sharded else _checksum(trainer)
         (out / BASE_FILE).write_text(json.dumps({**base_identity(trainer.config.model), "checksum": checksum},
@@ -98,9 +96,22 @@ def save_lora_model(trainer, path: str) -> str:
     return path
 
 
-def _peft_config(trainer) -> dict:
-    """peft's ``adapter_config.json`` for the adapters of ``trainer``."""
-    cfg = trainer.lora
+def write_peft_adapter(out: Path, tensors: dict, cfg, base_path: str | None) -> Path:
+    """Write adapters in peft's layout into the folder ``out`` (made if missing): ``adapter_model.safetensors``
+    (``tensors``: the trainer's names, ``<module>.lora_A`` / ``.lora_B``, stored as peft's
+    ``base_model.model.<module>.lora_A.weight``) and ``adapter_config.json`` (``cfg``: ``trainer.lora``). The final
+    export (``export: adapter``) and every adapter push to vLLM (rlpipe.inference.vllm_lora) write it."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({f"base_model.model.{k}.weight": v.detach().cpu().contiguous() for k, v in tensors.items()},
+              out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(cfg, base_path), indent=2))
+    return out
+
+
+def peft_config(cfg, base_path: str | None) -> dict:
+    """peft's ``adapter_config.json`` for adapters of ``cfg`` (``trainer.lora``) on the base at ``base_path``."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
             "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": trainer.config.model.path}
+            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_path}

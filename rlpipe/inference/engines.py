@@ -40,8 +40,10 @@ class EngineInputs:
     name: str
     """How errors name the replica, e.g. ``rollout replica 0``."""
     lora: Any = None
-    """``trainer.lora`` or None: the embedded engine keeps the base and merges each pushed adapter (the plan check
-    refuses LoRA with the server engines)."""
+    """``trainer.lora`` or None: the embedded engine keeps the base and merges each pushed adapter; vLLM loads each
+    push as an adapter of its own (rlpipe.inference.vllm_lora); the plan check refuses LoRA with SGLang."""
+    mode_params: Any = None
+    """The run's validated ``mode_params``: with ``lora``, vLLM's adapter slots follow the mode's staleness bound."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ ROLLOUT_ENGINES.add("embedded", EngineSpec(_embedded))
 def _vllm(inputs: EngineInputs) -> RolloutEngine:
     from rlpipe.inference.vllm_build import build_vllm_engine
 
-    return build_vllm_engine(inputs.model, inputs.tokenizer, inputs.params.server, inputs.rank, inputs.workdir)
+    return build_vllm_engine(inputs.model, inputs.tokenizer, inputs.params.server, inputs.rank, inputs.workdir,
+                             lora=inputs.lora, mode_params=inputs.mode_params)
 
 
 ROLLOUT_ENGINES.add("vllm", EngineSpec(_vllm))

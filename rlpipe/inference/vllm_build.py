@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from rlpipe.inference import vllm_lora
 from rlpipe.inference.contract import EngineError
 from rlpipe.inference.vllm_engine import VLLMEngine, _ParamSpec
 from rlpipe.inference.vllm_server import AttachedVLLMServer, VLLMParams, VLLMServer
@@ -24,31 +25,48 @@ __all__ = ["build_vllm_engine", "with_context_length"]
 
 def build_vllm_engine(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
                       params: VLLMParams | Mapping[str, Any] | None, rank: int, workdir: str | Path,
-                      version: int = 0) -> VLLMEngine:
+                      version: int = 0, lora: Any = None, mode_params: Any = None) -> VLLMEngine:
     """Start a vLLM server for replica ``rank`` serving ``model`` and return the engine that owns it.
 
     ``model`` and ``tokenizer`` are written to ``<workdir>/vllm-<rank>/model`` (``save_pretrained``);
     the server's log is ``<workdir>/vllm-<rank>/vllm-<rank>-server.log``. ``params`` is a
     :class:`VLLMParams` (or its dict). The caller owns the engine: ``close()`` stops the server.
+    ``lora`` (``trainer.lora``): the server serves adapters (``--enable-lora``, as many slots as ``params.max_loras``
+    or the mode of ``mode_params`` needs) and pushes carry adapters only, written under
+    ``<workdir>/vllm-<rank>/adapters`` (:mod:`rlpipe.inference.vllm_lora`).
     """
     from rlpipe.backends.model import save_hf_model  # transformers: lazy, like the embedded engine
 
     params = params if isinstance(params, VLLMParams) else VLLMParams(**dict(params or {}))
     name = f"vllm-{rank}"
     specs = {n: _ParamSpec(p.shape, p.dtype) for n, p in model.named_parameters()}
-    if params.urls:
-        return _attach(model, tokenizer, params, rank, name, specs, version)
     root = Path(workdir) / name
+    server_lora = vllm_lora.server_lora(lora, params.max_loras, mode_params) if lora is not None else None
+    if params.urls:
+        return _attach(model, tokenizer, params, rank, name, specs, version, root, lora, server_lora)
     model_dir = save_hf_model(model, tokenizer, root / "model")
     params = with_context_length(params, model)
     max_len = params.max_model_len
-    server = VLLMServer(model_dir, root, params, name=name)
+    server = VLLMServer(model_dir, root, params, name=name, lora=server_lora)
     try:
         return VLLMEngine(server, specs, tokenizer.eos_token_id, max_len, version=version,
-                          max_concurrency=params.max_concurrency)
+                          max_concurrency=params.max_concurrency,
+                          adapters=_adapters(server, model, lora, server_lora, root))
     except BaseException:
         server.close()
         raise
+
+
+def _adapters(server: VLLMServer, model: PreTrainedModel, lora: Any, server_lora: vllm_lora.ServerLoRA | None,
+              root: Path) -> vllm_lora.VLLMAdapters | None:
+    """The engine's adapter bookkeeping with ``trainer.lora`` (None without)."""
+    if lora is None:
+        return None
+    from rlpipe.backends.lora import adapter_holder, targets
+
+    holder = adapter_holder(model, targets(model, lora.target_modules), lora.rank)
+    return vllm_lora.VLLMAdapters(server, holder, lora, root / "adapters", server_lora.slots,
+                                  getattr(model.config, "_name_or_path", None) or None)
 
 
 def with_context_length(params: VLLMParams, model: PreTrainedModel) -> VLLMParams:
@@ -59,7 +77,8 @@ def with_context_length(params: VLLMParams, model: PreTrainedModel) -> VLLMParam
 
 
 def _attach(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, params: VLLMParams, rank: int, name: str,
-            specs: Mapping[str, _ParamSpec], version: int) -> VLLMEngine:
+            specs: Mapping[str, _ParamSpec], version: int, root: Path, lora: Any = None,
+            server_lora: vllm_lora.ServerLoRA | None = None) -> VLLMEngine:
     """An engine on the running server ``params.urls[rank]``, holding ``model``'s weights as ``version``.
 
     The server's context length is read from ``/v1/models``; a shorter one than ``params.max_model_len`` (or the
@@ -80,7 +99,8 @@ def _attach(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, params: 
                           f"the pipeline needs {wanted}; start it with a longer --max-model-len or lower "
                           "generate.params.server.max_model_len")
     engine = VLLMEngine(server, specs, tokenizer.eos_token_id, min(wanted, served_len or wanted), version=version,
-                        max_concurrency=params.max_concurrency)
+                        max_concurrency=params.max_concurrency,
+                        adapters=_adapters(server, model, lora, server_lora, root))
     try:
         engine.load_weights(export_buckets(model), version)
     except EngineError as exc:

@@ -67,10 +67,15 @@ versions; a push resets the prefix cache (vLLM's ``vllm:prefix_cache_hits_total`
 the rollout service drives the engine; a killed server is reported and leaves no
 process behind.
 
-Left out: tensor/data parallel servers (one process, one worker), LoRA, stop
+LoRA (``trainer.lora``, :mod:`rlpipe.inference.vllm_lora`): the base goes to the server once; an adapter push is
+written as a peft folder and loaded under a name per version, a request runs on the newest adapter and keeps it
+(and its version stamp) until it ends or is aborted, so an adapter push is taken with requests in flight; a
+whole-model push still needs the server quiet.
+
+Left out: tensor/data parallel servers (one process, one worker), stop
 strings, multimodal inputs, streaming (not needed: aborted calls return their
-partial tokens), and vLLM's pause/resume routes (``load_weights`` is refused
-while requests are in flight, so nothing runs during a push). An idle server's
+partial tokens), and vLLM's pause/resume routes (a whole-model ``load_weights`` is
+refused while requests are in flight, so nothing runs during such a push). An idle server's
 worker still polls its queue (about a fifth of a core).
 """
 
@@ -89,6 +94,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from rlpipe.backends.lora import is_adapter
 from rlpipe.backends.weights import WeightBucket, WeightTransportError, _check as check_bucket
 from rlpipe.inference import sampling
 from rlpipe.inference.contract import (
@@ -100,7 +106,8 @@ from rlpipe.inference.contract import (
     make_result,
     validate_request,
 )
-from rlpipe.inference.vllm_server import VLLMParams, VLLMServer
+from rlpipe.inference.vllm_lora import VLLMAdapters
+from rlpipe.inference.vllm_server import AttachedVLLMServer, VLLMParams, VLLMServer
 
 __all__ = ["VLLMEngine", "VLLMParams"]
 
@@ -119,8 +126,10 @@ class VLLMEngine(RolloutEngine):
     """Client of one vLLM server: one it owns (``close()`` stops it) or one it attached to (left running)."""
 
     def __init__(self, server: VLLMServer, params: Mapping[str, _ParamSpec], eos_id: int, max_model_len: int,
-                 version: int = 0, max_concurrency: int = 64):
+                 version: int = 0, max_concurrency: int = 64, adapters: VLLMAdapters | None = None):
         self.server = server
+        self.adapters = adapters
+        """With trainer.lora: the adapters on the server (pushes carry only them; see the module docstring)."""
         self.name = server.name
         self.version = version
         self.eos_id = int(eos_id)
@@ -224,33 +233,47 @@ class VLLMEngine(RolloutEngine):
                 self._send(request)
 
     def _send(self, request: GenerationRequest) -> None:
-        """Start the HTTP call of ``request`` (lock held)."""
-        self._inflight[request.request_id] = (request, self._pool.submit(self._call, request))
+        """Start the HTTP call of ``request`` (lock held), on the newest adapter when there are adapters: the call
+        keeps that adapter, and its tokens that version, to its end."""
+        adapter = self.adapters.acquire() if self.adapters is not None else None
+        version = self.adapters.newest if adapter is not None else None
+        self._inflight[request.request_id] = (request, self._pool.submit(self._call, request, adapter, version))
 
-    def _call(self, request: GenerationRequest) -> None:
+    def _call(self, request: GenerationRequest, adapter: str | None = None, version: int | None = None) -> None:
         """One generate call on a pool thread; files the result (or the error) under the lock."""
+        result = error = None
         try:
-            answer = self.server.request("POST", "/inference/v1/generate", self._body(request))
-            result = self._result(request, answer)
+            answer = self.server.request("POST", "/inference/v1/generate", self._body(request, adapter))
+            result = self._result(request, answer, version)
         except EngineError as exc:
-            with self._cond:
-                self._inflight.pop(request.request_id, None)
-                self._error = self._error or exc
-                self._cond.notify_all()
-            return
+            error = exc
         except Exception as exc:  # noqa: BLE001 - a malformed answer: surface it to the caller of step()
             error = EngineError(f"{self.name}: request {request.request_id!r}: unexpected answer from vLLM: {exc!r}")
+        if adapter is not None:
             with self._cond:
-                self._inflight.pop(request.request_id, None)
-                self._error = self._error or error
-                self._cond.notify_all()
-            return
+                stale = self.adapters.release(version)
+            # before the result is filed: once step() returned a version's last request, that version is unloaded
+            self._unload(stale)
         with self._cond:
             self._inflight.pop(request.request_id, None)
-            self._done.append(result)
+            if error is None:
+                self._done.append(result)
+            else:
+                self._error = self._error or error
             self._cond.notify_all()
 
-    def _body(self, r: GenerationRequest) -> dict[str, Any]:
+    def _unload(self, stale) -> None:
+        """Unload adapters no request uses any more (no lock held: HTTP); a failure fails the next step()."""
+        if not stale:
+            return
+        try:
+            self.adapters.unload(stale)
+        except EngineError as exc:
+            with self._cond:
+                self._error = self._error or exc
+                self._cond.notify_all()
+
+    def _body(self, r: GenerationRequest, adapter: str | None = None) -> dict[str, Any]:
         s = r.sampling
         sampling_params = {
             "max_tokens": int(r.max_tokens - len(r.response_ids)),
@@ -261,18 +284,23 @@ class VLLMEngine(RolloutEngine):
         if not s.ignore_eos:
             sampling_params["stop_token_ids"] = [self.eos_id, *(int(t) for t in s.stop_token_ids)]
         token_ids = [int(t) for t in r.prompt_ids] + [int(t) for t in r.response_ids]
-        return {"request_id": f"{r.request_id}-{uuid.uuid4().hex[:8]}", "token_ids": token_ids,
+        body = {"request_id": f"{r.request_id}-{uuid.uuid4().hex[:8]}", "token_ids": token_ids,
                 "sampling_params": sampling_params}
+        if adapter is not None:  # vLLM picks the LoRA adapter by the request's model name
+            body["model"] = adapter
+        return body
 
-    def _result(self, request: GenerationRequest, answer: dict[str, Any]) -> GenerationResult:
+    def _result(self, request: GenerationRequest, answer: dict[str, Any],
+                adapter_version: int | None = None) -> GenerationResult:
         choice = answer["choices"][0]
         ids = choice.get("token_ids") or []
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(content) != len(ids):
             raise EngineError(f"{self.name}: request {request.request_id!r}: vLLM returned {len(ids)} tokens "
                               f"but {len(content)} logprobs")
-        versions = np.full(len(ids), self.version, np.int32)
-        for span in choice.get("weight_versions") or []:
+        versions = np.full(len(ids), self.version if adapter_version is None else adapter_version, np.int32)
+        # the server's spans label its base weights; a call on an adapter ran on that adapter's version throughout
+        for span in (choice.get("weight_versions") or []) if adapter_version is None else []:
             versions[span["start"]:span["end"]] = _version_number(span["version"], self.version)
         reason = choice.get("finish_reason") or "stop"
         if reason not in ("stop", "length", "abort"):
@@ -284,9 +312,12 @@ class VLLMEngine(RolloutEngine):
     # -- weights and memory ---------------------------------------------------------
 
     def load_weights(self, buckets: Sequence[WeightBucket], version: int) -> dict[str, float]:
-        """Push buckets into the server (checked first), adopt ``version``, reset its prefix cache."""
-        self._check_push(version)
+        """Push buckets into the server (checked first), adopt ``version``, reset its prefix cache. With adapters
+        (trainer.lora) a push of adapters only is loaded as a new adapter (:meth:`_load_adapter`)."""
         buckets = list(buckets)
+        if self.adapters is not None and buckets and all(is_adapter(m.name) for b in buckets for m in b.tensors):
+            return self._load_adapter(buckets, version)
+        self._check_push(version)
         self._check_buckets(buckets)
         start = time.perf_counter()
         files = [self._write(bucket, i) for i, bucket in enumerate(buckets)]
@@ -318,9 +349,33 @@ class VLLMEngine(RolloutEngine):
         loaded = time.perf_counter()
         self.version = version
         self._discarded = False
+        if self.adapters is not None:  # new base weights: the adapters were trained on the old ones
+            with self._cond:
+                stale = self.adapters.forget()
+            self.adapters.unload(stale)
         self.reset_prefix_cache()
         return {"transport_s": written - start, "load_s": loaded - written,
                 "cache_reset_s": time.perf_counter() - loaded, "bytes": float(sum(b.nbytes for b in buckets))}
+
+    def _load_adapter(self, buckets: list[WeightBucket], version: int) -> dict[str, float]:
+        """An adapter push: write it as a peft folder, load it under its version's name, send new requests to it.
+        Requests in flight keep their adapter (so it is not refused while they run, unlike a whole-model push);
+        the prefix cache needs no reset (vLLM's block hashes include the adapter's name)."""
+        if version < self.version:
+            raise EngineError(f"weight version {version} is older than the engine's {self.version}; versions only grow")
+        with self._cond:
+            self.adapters.check_room(version)
+        start = time.perf_counter()
+        folder = self.adapters.write(buckets, version)
+        written = time.perf_counter()
+        self.adapters.load(version, folder)
+        with self._cond:
+            self.version = version
+            self._discarded = False
+            stale = self.adapters.adopt(version, folder)
+        self.adapters.unload(stale)
+        return {"transport_s": written - start, "load_s": time.perf_counter() - written, "cache_reset_s": 0.0,
+                "bytes": float(sum(b.nbytes for b in buckets))}
 
     def _check_buckets(self, buckets: list[WeightBucket]) -> None:
         try:
@@ -351,10 +406,12 @@ class VLLMEngine(RolloutEngine):
                           f"see {self.server.log_path}")
 
     def sleep(self, discard_weights: bool = False) -> None:
-        """``/sleep``: pauses the server; on CPU vLLM frees no memory (see the module docstring)."""
+        """``/sleep``: pauses the server; on CPU vLLM frees no memory (see the module docstring). With adapters the
+        base is kept (level 1): an adapter push could not bring discarded base weights back."""
         if self.num_running():
             raise EngineError("abort or finish in-flight requests before sleep()")
-        self.server.request("POST", f"/sleep?level={2 if discard_weights else 1}")
+        level = 2 if discard_weights and self.adapters is None else 1
+        self.server.request("POST", f"/sleep?level={level}")
         self._asleep = True
         self._discarded = self._discarded or discard_weights
 
@@ -379,6 +436,8 @@ class VLLMEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        if self.adapters is not None:  # a server we started dies with its adapters; an attached one outlives us
+            self.adapters.close(unload=isinstance(self.server, AttachedVLLMServer))
         self.server.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 

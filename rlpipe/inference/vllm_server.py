@@ -48,7 +48,9 @@ Server settings, checked against vLLM 0.32's source:
   generator does not support ("CPU Generator does not use offset"): the engine core
   dies. rlpipe seeds every request, and resumed requests bring long prompts;
 - ``VLLM_CPU_OMP_THREADS_BIND``: the worker's compute threads and their cores
-  (vllm/utils/ompmultiprocessing.py).
+  (vllm/utils/ompmultiprocessing.py);
+- with ``trainer.lora``: ``--enable-lora --max-loras N --max-lora-rank R`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (adapters loaded at run time: rlpipe.inference.vllm_lora).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlpipe.inference.contract import EngineError
+from rlpipe.inference.vllm_lora import RUNTIME_LORA_ENV, ServerLoRA
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,10 @@ class VLLMParams(BaseModel):
     """More command-line arguments for ``vllm serve``, appended as given."""
     extra_env: dict[str, str] = Field(default_factory=dict)
     """More environment variables for the server process (e.g. ``VLLM_LOGGING_LEVEL``)."""
+    max_loras: int | None = Field(None, ge=1)
+    """With ``trainer.lora``: adapters the server holds at once (``--max-loras``), one per policy version a request
+    may still run on. None: what the mode needs (sync 1, the async modes ``max_off_policy_threshold`` + 1);
+    ``rlpipe validate`` refuses fewer. Unused without ``trainer.lora``."""
 
     @field_validator("urls")
     @classmethod
@@ -163,9 +170,11 @@ class VLLMServer:
     """A running ``vllm serve`` serving ``model_dir`` on a loopback port."""
 
     def __init__(self, model_dir: str | Path, workdir: str | Path, params: VLLMParams, name: str = "vllm",
-                 port: int | None = None):
+                 port: int | None = None, lora: ServerLoRA | None = None):
         self.name = name
         self.params = params
+        self.lora = lora
+        """With trainer.lora: the LoRA flags it starts with (rlpipe.inference.vllm_lora)."""
         self.model_dir = Path(model_dir)
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -194,6 +203,8 @@ class VLLMServer:
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(p.max_model_len or 0, 2048))]
         if p.max_model_len is not None:
             cmd += ["--max-model-len", str(p.max_model_len)]
+        if self.lora is not None:
+            cmd += self.lora.args()
         return cmd + list(p.extra_args)
 
     def _env(self) -> dict[str, str]:
@@ -207,6 +218,8 @@ class VLLMServer:
             "PYTHONUNBUFFERED": "1",
         })
         env["VLLM_CPU_OMP_THREADS_BIND"] = self.params.cpu_bind
+        if self.lora is not None:
+            env.update(RUNTIME_LORA_ENV)
         env.update(self.params.extra_env)
         return env
 

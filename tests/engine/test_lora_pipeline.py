@@ -96,10 +96,10 @@ def test_validate_refuses_a_bad_lora_config_naming_the_field(tmp_path, change, m
         build_plan(validate_config(raw))
 
 
-def test_validate_refuses_lora_with_a_server_engine(tmp_path):
+def test_validate_refuses_lora_with_sglang(tmp_path):
     raw = lora_raw(tmp_path)
-    raw["stages"][0]["impl"] = "vllm"
-    with pytest.raises(ConfigError, match=r"trainer\.lora: stages\[generate\] impl vllm cannot take adapter pushes"):
+    raw["stages"][0]["impl"] = "sglang"  # vLLM takes adapter pushes: tests/inference/test_vllm_lora.py
+    with pytest.raises(ConfigError, match=r"trainer\.lora: stages\[generate\] impl sglang cannot take adapter pushes"):
         build_plan(validate_config(raw))
 
 

@@ -20,8 +20,8 @@ traceback minutes into a run:
 * per-node checks a stage registers (``StageSpec.check``, e.g. group estimators need
   ``n ≥ 2``);
 * ``trainer.lora``: every ``target_modules`` name is a linear module of the model (its modules listed from the
-  config alone: built on the meta device, no weight read), and the rollout engine is the embedded one (the
-  only engine that takes adapter pushes so far).
+  config alone: built on the meta device, no weight read), and the rollout engine takes adapter pushes (embedded,
+  or vLLM with ``server.max_loras`` ≥ the mode's staleness bound + 1 and a rank vLLM serves; not SGLang yet).
 """
 
 from __future__ import annotations
@@ -152,9 +152,17 @@ def check_lora(config, plan) -> None:
     if lora is None:
         return
     generate = plan.anchor("generates")
-    if generate is not None and generate.impl in ("vllm", "sglang"):
-        raise ConfigError(f"trainer.lora: stages[{generate.name}] impl {generate.impl} cannot take adapter pushes yet "
-                          "(only the embedded engine merges them); use impl: embedded, or drop trainer.lora")
+    if generate is not None and generate.impl == "sglang":
+        # SGLang's LoRA loads adapters by path beside the base (/load_lora_adapter) but rlpipe's SGLang runs on
+        # CPU through the embedded engine behind SGLang's protocol, which has no adapter API to test it against
+        raise ConfigError(f"trainer.lora: stages[{generate.name}] impl sglang cannot take adapter pushes yet (the "
+                          "embedded engine merges them, vLLM loads them as adapters); use impl: embedded or vllm, or "
+                          "drop trainer.lora")
+    if generate is not None and generate.impl == "vllm":
+        from rlpipe.inference.vllm_lora import check_adapter_slots
+
+        server = generate.params.server
+        check_adapter_slots(lora, server.max_loras, plan.mode_params, generate.name)
     from rlpipe.backends.lora import linear_module_names
 
     model_class, names = linear_module_names(config.model)

@@ -22,6 +22,7 @@ import torch
 from rlpipe.agents.loop import build_agent
 from rlpipe.engine.host import configure_process
 from rlpipe.inference.engines import ROLLOUT_ENGINES, EngineInputs, build_engine
+from rlpipe.inference.vllm_lora import mode_params_of
 from rlpipe.backends.model import build_model
 from rlpipe.backends.tokenizer import build_tokenizer
 from rlpipe.backends.weight_broadcast import BroadcastPlan, BroadcastReceiver
@@ -87,7 +88,8 @@ class RolloutState:
         self._full_bytes = _full_push_bytes(model, config) if config.trainer.lora is not None else None
         """With trainer.lora: the bytes a whole-model push would carry (the weight_sync/full_model_bytes metric)."""
         inputs = EngineInputs(model, self.tokenizer, params, rank, workdir, name=f"rollout replica {rank}",
-                              lora=config.trainer.lora)
+                              lora=config.trainer.lora,
+                              mode_params=mode_params_of(config) if config.trainer.lora is not None else None)
         engine = build_engine(impl, inputs)
         # the agent (generate.params.agent) wraps the engine: generate, the rollout service and pushes drive it alike
         self.engine = engine if params is None else build_agent(engine, self.tokenizer, params)
