@@ -115,6 +115,8 @@ class SeparateAsyncMode(AsyncMode):
         self._settled_aborted = 0
         """Requests the settled deferred pushes aborted (and the replicas resumed), for the step's metrics."""
         self._settle_lock = threading.Lock()
+        self._settled_stats: dict[str, float] = {}
+        """What the pushes settled since the last step's metrics carried and took (weight_sync/deferred_*)."""
         self._draw_lock = threading.Lock()
         """The refill thread and a borrow (the driver's thread) both draw prompts from the loader."""
         self.borrow = TrainerBorrow(self, params.borrow)
@@ -219,9 +221,14 @@ class SeparateAsyncMode(AsyncMode):
     def settle_pushes(self) -> None:
         """Wait for the deferred pushes; the requests they aborted count in the step's metrics. The refill
         thread and the driver (before an evaluation) both call it."""
-        aborted = int(sum(r["aborted"] for r in self.runtime.workers.settle()))
+        settled = self.runtime.workers.settle()
+        aborted = int(sum(r["aborted"] for r in settled))
         with self._settle_lock:
             self._settled_aborted += aborted
+            for key in ("bytes", "full_model_bytes", "load_s"):  # each replica's stats of the pushes settled now
+                values = [float(r[key]) for r in settled if key in r]
+                if values:  # what one push carried (the same for every replica), the slowest replica's load
+                    self._settled_stats[f"weight_sync/deferred_{key}"] = max(values)
 
     def _start_feeders(self) -> None:
         rt = self.runtime
@@ -301,6 +308,8 @@ class SeparateAsyncMode(AsyncMode):
             # requests the previous step's (deferred) push aborted and resumed on the new weights
             with self._settle_lock:
                 metrics["weight_sync/deferred_aborted_requests"], self._settled_aborted = float(self._settled_aborted), 0
+                metrics.update(self._settled_stats)  # the deferred push's bytes and load, known once it settled
+                self._settled_stats = {}
             return metrics
 
         return read

@@ -1,0 +1,63 @@
+"""pipelines/quickstart_lora.yaml in separate_async on Ray: the adapters travel between actors (deferred pushes through
+the object store) and LoRA learns as well as full fine-tuning does in the same mode, on the same seeds, within a
+stated margin. In process (sync): tests/engine/test_lora_pipeline.py; sync on Ray computes what the in-process run
+computes, LoRA or not (tests/engine/test_worker_chains.py for the full model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rlpipe.engine.planning.config_io import validate_config
+from rlpipe.engine.runtime import run_pipeline
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 40
+MARGIN = 0.2
+"""LoRA's mean reward over the last third may trail full fine-tuning's by at most this in separate_async (reward is
+0..1; in sync, in process, the margin is 0.1)."""
+
+
+def _raw(tmp_path: Path, lora: bool) -> dict:
+    raw = yaml.safe_load((ROOT / "pipelines/quickstart_lora.yaml").read_text())
+    raw["trainer"].update({"output_dir": str(tmp_path), "checkpoint_every": 0, "total_steps": STEPS})
+    if not lora:  # as the in-process comparison: the quickstart's lr (at LoRA's 5e-3 full fine-tuning learns less)
+        raw["trainer"].pop("lora")
+        raw["trainer"]["optimizer"] = {"lr": 3e-3}
+    raw["tracking"] = {"enabled": False}
+    raw["mode"] = "separate_async"
+    raw["mode_params"] = {"max_off_policy_threshold": 2, "strategy": "drop", "capacity_steps": 2}
+    at = next(i for i, s in enumerate(raw["stages"]) if s["kind"] == "balance")
+    raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
+    return raw
+
+
+def test_lora_learns_in_separate_async_on_ray_as_well_as_full_fine_tuning(ray_session, tmp_path):
+    curves, pushed = {}, []
+    for name in ("lora", "full"):
+        rewards: list[float] = []
+
+        def on_step(step, metrics, rewards=rewards, name=name):
+            rewards.append(metrics["reward/mean"])
+            if name == "lora":
+                pushed.append((metrics.get("weight_sync/deferred_bytes"),
+                               metrics.get("weight_sync/deferred_full_model_bytes")))
+
+        run_pipeline(validate_config(_raw(tmp_path / name, name == "lora")), "", on_step=on_step)
+        curves[name] = np.array(rewards)
+    third = STEPS // 3
+    start, end = curves["lora"][:third].mean(), curves["lora"][-third:].mean()
+    full_end = curves["full"][-third:].mean()
+    print(f"separate_async on Ray: LoRA {start:.3f} -> {end:.3f}, full fine-tuning -> {full_end:.3f}")
+    # one step off-policy learns slower than sync (in 30 steps LoRA 0.12 -> 0.23 here, 0.15 -> 0.38 in sync); full
+    # fine-tuning, which also moves the embeddings and the head LoRA leaves frozen, got 0.08-0.13 further in 40 steps
+    # over 4 runs (its end varies 0.36-0.41 run to run with the async timing; LoRA's did not): a wider margin
+    assert end - start >= 0.1, f"LoRA did not learn: {start:.3f} -> {end:.3f}"
+    assert end >= full_end - MARGIN, f"LoRA {end:.3f} trails full fine-tuning {full_end:.3f}"
+    # the deferred pushes carried the adapters only (17,408 float32 parameters of the 100,992), reported once settled
+    assert {p for p in pushed if p != (None, None)} == {(17408 * 4, 100992 * 4 - 17408 * 4)}, set(pushed)
