@@ -135,12 +135,14 @@ def vllm_server(tmp_path_factory):
     """One real vLLM server for the whole test run, serving a model of VLLM_ARCH and VLLM_CHARS.
 
     Tests attach to it (``VLLMParams(urls=[server.url])``); every attach pushes the attaching model's
-    weights as version 0 and resets the prefix cache, so a test sees only its own weights. A test that
-    kills its server, or checks rlpipe's own start of one, builds its own. Skips where vLLM's venv is
-    missing (``make setup`` makes it)."""
+    weights as version 0 and resets the prefix cache, so a test sees only its own weights. It serves LoRA
+    adapters too (2 slots, rank ≤ 8: tests/e2e/test_vllm_lora_server.py attaches with ``trainer.lora``); requests
+    without an adapter run on the pushed weights as on any server. A test that kills its server, or checks rlpipe's
+    own start of one, builds its own. Skips where vLLM's venv is missing (``make setup`` makes it)."""
     from rlpipe.backends.model import build_model, save_hf_model
     from rlpipe.backends.tokenizer import build_tokenizer
     from rlpipe.inference.contract import EngineError
+    from rlpipe.inference.vllm_lora import ServerLoRA
     from rlpipe.inference.vllm_server import VLLMParams, VLLMServer, vllm_python
     from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 
@@ -152,7 +154,8 @@ def vllm_server(tmp_path_factory):
     tokenizer = build_tokenizer(TokenizerConfig(chars=VLLM_CHARS))
     model = build_model(ModelConfig(architecture=ArchitectureConfig(**VLLM_ARCH)), tokenizer, 0)
     root = tmp_path_factory.mktemp("shared-vllm")
-    server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name="shared-vllm")
+    server = VLLMServer(save_hf_model(model, tokenizer, root / "model"), root, params, name="shared-vllm",
+                        lora=ServerLoRA(slots=2, max_rank=8))
     _SHARED_VLLM["server"] = server
     yield server
     _SHARED_VLLM.pop("server", None)

@@ -1,7 +1,8 @@
-"""LoRA adapters pushed to a real vLLM 0.32 server (rlpipe.inference.vllm_lora), on one server this module starts
-through rlpipe (``build_vllm_engine`` with ``lora``: ``--enable-lora``, 2 adapter slots, as separate_async with
-max_off_policy_threshold 1 asks; a cold start is 30-60 s on 2 cores). The session's shared server is not
-LoRA-enabled and is not used.
+"""LoRA adapters pushed to a real vLLM 0.32 server (rlpipe.inference.vllm_lora): the session's shared server
+(tests/conftest.py ``vllm_server``, started with ``--enable-lora`` and 2 adapter slots, as separate_async with
+max_off_policy_threshold 1 asks, so that no test pays a cold start of its own for LoRA), attached to as a run
+attaches (``build_vllm_engine`` with ``lora`` and ``server.urls``: the base pushed once, then adapters). That rlpipe
+starts its own servers with the LoRA flags: test_vllm_lora.py (the command line, without a server).
 
 - an adapter push changes what vLLM serves exactly as the merged weights would: its logprobs equal a transformers
   forward of the trainer's LoRA model (W0 + scale·B·A) to 1e-4 — both float32, vLLM adding x·Aᵀ·Bᵀ beside x·W0ᵀ
@@ -18,6 +19,7 @@ The slot count `validate` asks for, the folders and the bookkeeping without a se
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -34,13 +36,14 @@ from rlpipe.inference.vllm_engine import VLLMParams
 from rlpipe.modes.separate_async import SeparateAsyncParams
 from rlpipe.schemas.config import ArchitectureConfig, ModelConfig, TokenizerConfig
 from rlpipe.schemas.lora import LoRAConfig
-from vllm_runs import ONE_DIGIT, ROOT, learns, skip_without_vllm
+from conftest import VLLM_ARCH, VLLM_CHARS
+from vllm_runs import ONE_DIGIT, ROOT, learns
 
 pytestmark = [pytest.mark.vllm]
 
-# the shapes of pipelines/quickstart_vllm.yaml, so the learning run can attach to this module's server
-TOK = build_tokenizer(TokenizerConfig(chars="0123456789="))
-ARCH = ArchitectureConfig(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, max_position_embeddings=64)
+# the shared server's shapes
+TOK = build_tokenizer(TokenizerConfig(chars=VLLM_CHARS))
+ARCH = ArchitectureConfig(**VLLM_ARCH)
 LORA = LoRAConfig(rank=8, alpha=16)
 PROMPTS = ["12=", "7=", "305=", "9981="]
 TOLERANCE = 1e-4  # see the module docstring
@@ -54,9 +57,8 @@ def base_model():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    skip_without_vllm()
-    eng = build_vllm_engine(base_model(), TOK, VLLMParams(kv_cache_gb=0.05, request_timeout_s=120), rank=0,
+def engine(vllm_server, tmp_path_factory):
+    eng = build_vllm_engine(base_model(), TOK, VLLMParams(urls=[vllm_server.url], request_timeout_s=120), rank=0,
                             workdir=tmp_path_factory.mktemp("vllm-lora"), lora=LORA,
                             mode_params=SeparateAsyncParams(max_off_policy_threshold=1))
     yield eng
@@ -104,11 +106,12 @@ def forward_logprobs(model, request, response_ids):
 
 
 def adapter_names(engine):
-    return {m["id"] for m in engine.server.request("GET", "/v1/models")["data"]} - {engine.server.name}
+    """The adapters the server holds (rlpipe's are named ``rlpipe-<tag>-v<version>``)."""
+    return {m["id"] for m in engine.server.request("GET", "/v1/models")["data"] if m["id"].startswith("rlpipe-")}
 
 
-def test_the_server_serves_a_pushed_adapter_as_the_merged_weights_would(engine):
-    assert "--enable-lora" in engine.server.command() and engine.adapters.slots == 2
+def test_the_server_serves_a_pushed_adapter_as_the_merged_weights_would(engine, vllm_server):
+    assert "--enable-lora" in vllm_server.command() and engine.adapters.slots == 2
     trainer = trainer_model(1)
     timings = push(engine, trainer, 1)
     adapter_bytes = sum(p.numel() * 4 for n, p in trainer.named_parameters() if is_adapter(n))
@@ -182,6 +185,8 @@ def test_a_lora_run_attached_to_the_server_learns_and_reports_adapter_bytes(engi
     config, text = load_pipeline(ROOT / "pipelines/quickstart_vllm.yaml", [
         *ONE_DIGIT, f"trainer.total_steps={LEARNING_STEPS}", f"trainer.output_dir={tmp_path}", "name=vllm-lora",
         "trainer.lora={rank: 8}", "trainer.optimizer.lr=5e-3", "stages.generate.params.temperature=0.25",
+        f"tokenizer.chars={json.dumps(VLLM_CHARS)}",
+        f"model.architecture={json.dumps({'family': 'qwen2', **VLLM_ARCH})}",
         f"stages.generate.params.server.urls=[{engine.server.url}]"])
     rewards, pushes = [], []
 
