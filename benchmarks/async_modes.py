@@ -1,7 +1,7 @@
 """Async modes vs sync on a long-tail rollout workload.
 
 Run: .venv/bin/python benchmarks/async_modes.py [--steps 12] [--repeats 3] [--workload lengths|env_latency|long_tail]
-     [--variants borrow]
+     [--variants borrow borrow_eager]
 Writes benchmarks/results/async_modes.json and prints a Markdown table (copied into docs/benchmarks.md).
 
 Workloads: the quickstart model and task, but every request's response length is
@@ -140,6 +140,9 @@ def modes(threshold: int, variants: list[str]) -> dict[str, tuple[str, dict]]:
     }
     if "borrow" in variants:
         out["separate_async (borrow)"] = ("separate_async", {**separate, "borrow": {"enabled": True}})
+    if "borrow_eager" in variants:  # lends the trainer after 50 ms of waiting instead of the default 0.5 s
+        out["separate_async (borrow after 50 ms)"] = ("separate_async",
+                                                     {**separate, "borrow": {"enabled": True, "after_s": 0.05}})
     return out
 
 
@@ -156,7 +159,7 @@ def main() -> None:
                         help="runs per mode, interleaved (sync, colocate, ..., sync, ...); medians are reported")
     parser.add_argument("--poll", type=float, default=0.05, help="separate_async collection wait (s)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="lengths")
-    parser.add_argument("--variants", nargs="*", choices=["borrow"], default=[],
+    parser.add_argument("--variants", nargs="*", choices=["borrow", "borrow_eager"], default=[],
                         help="more runs: borrow = separate_async with mode_params.borrow on")
     args = parser.parse_args()
     global GEN, SHAPE
