@@ -68,3 +68,15 @@ def test_relative_links_point_at_files_that_exist(doc):
     assert not missing, f"{doc.relative_to(ROOT)} links to files that do not exist: {missing}"
     if doc.name == "README.md":
         assert links, "README.md should link to the docs/ pages"
+
+
+def test_parts_a_test_or_plugin_registers_stay_out_of_the_reference(reference):
+    """A metric logger registered by a test in the same process (a spec object of rlpipe's own class, holding the
+    test's callable) is not rlpipe's: the reference rendered afterwards equals the one before."""
+    from rlpipe.engine.tracking.metric_loggers import METRIC_LOGGERS, MetricLoggerSpec
+
+    METRIC_LOGGERS.add("test_reference_only", MetricLoggerSpec(lambda *args: None, "json", "-"))
+    try:
+        assert render_reference() == reference
+    finally:
+        METRIC_LOGGERS._items.pop("test_reference_only")  # other tests of this process see the registry as it was

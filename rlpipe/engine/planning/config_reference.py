@@ -21,6 +21,8 @@ checks them), and the columns each stage reads and writes (``rlpipe validate`` p
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import json
 import sys
@@ -197,8 +199,13 @@ def _first_paragraph(doc: str | None) -> str:
 
 
 def _builtin(obj: Any) -> bool:
-    """Whether a registered part is rlpipe's own (plugins' parts are left out of the reference)."""
+    """Whether a registered part is rlpipe's own (plugins' parts, and a test's, are left out of the reference). A
+    spec object (a dataclass: a metric logger's, a role's) is judged by the first callable it holds: its class is
+    rlpipe's whoever registered it."""
     code = getattr(obj, "fn", obj)
+    if dataclasses.is_dataclass(code) and not isinstance(code, type):
+        code = next((value for value in (getattr(code, f.name) for f in dataclasses.fields(code)) if callable(value)),
+                    code)
     module = getattr(code, "__module__", "") or ""
     return module == "rlpipe" or module.startswith("rlpipe.")
 
