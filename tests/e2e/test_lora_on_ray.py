@@ -65,17 +65,17 @@ def test_lora_learns_in_separate_async_on_ray_as_well_as_full_fine_tuning(ray_se
 
 def test_lora_in_sync_on_ray_learns_exactly_as_in_process(ray_session, tmp_path):
     """Sync on Ray computes what the in-process run computes, adapter pushes between actors included: the same
-    rewards step for step, so it learns as the in-process comparison with full fine-tuning shows
-    (tests/engine/test_lora_pipeline.py: 0.15 -> 0.38 in 30 steps)."""
+    rewards step for step (12 steps; from the same seeds the in-process run learns 0.15 -> 0.38 in 30, as
+    tests/engine/test_lora_pipeline.py compares with full fine-tuning)."""
     curves = {}
     for where in ("in process", "on Ray"):
         raw = yaml.safe_load((ROOT / "pipelines/quickstart_lora.yaml").read_text())
         raw["trainer"].update({"output_dir": str(tmp_path / where.replace(" ", "_")), "checkpoint_every": 0,
-                               "total_steps": 30})
+                               "total_steps": 12})
         raw["tracking"] = {"enabled": False}
         rewards: list[float] = []
         run_pipeline(validate_config(raw), "", inline=where == "in process",
                      on_step=lambda step, metrics, r=rewards: r.append(metrics["reward/mean"]))
         curves[where] = rewards
-    assert curves["on Ray"] == curves["in process"]
-    assert np.mean(curves["on Ray"][-10:]) - np.mean(curves["on Ray"][:10]) >= 0.15, curves["on Ray"]
+    # a push that did not reach the engine on Ray would make the rewards part from the in-process ones at step 1
+    assert len(curves["on Ray"]) == 12 and curves["on Ray"] == curves["in process"]
