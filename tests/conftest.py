@@ -262,6 +262,40 @@ def quickstart_raw(**changes) -> dict:
     return raw
 
 
+def with_staleness_guard(raw: dict) -> dict:
+    """``raw`` with the staleness guard the async modes need, right before ``balance`` (in place; returned)."""
+    at = next(i for i, s in enumerate(raw["stages"]) if s["kind"] == "balance")
+    raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
+    return raw
+
+
+def with_reference(raw: dict) -> dict:
+    """``raw`` with a reference model listed right after ``old_log_prob`` and a KL loss in ``update`` that reads it
+    (in place; returned)."""
+    stages = []
+    for s in raw["stages"]:
+        if s["kind"] == "update":
+            s = {**s, "params": {**s["params"], "use_kl_loss": True, "kl_loss_coef": 0.01}}
+        stages.append(s)
+        if s["kind"] == "old_log_prob":
+            stages.append({"kind": "ref", "impl": "reference"})
+    raw["stages"] = stages
+    return raw
+
+
+def lora_quickstart_raw(tmp_path: Path, full_fine_tuning: bool = False, **trainer) -> dict:
+    """pipelines/quickstart_lora.yaml as a raw dict writing into ``tmp_path``, tracking off, no checkpoints;
+    ``full_fine_tuning``: without ``trainer.lora`` and at the quickstart's lr (at LoRA's 5e-3 the full model learns
+    less), the comparison the LoRA learning tests make on the same seeds."""
+    raw = yaml.safe_load((ROOT / "pipelines" / "quickstart_lora.yaml").read_text())
+    raw["trainer"].update({"output_dir": str(tmp_path), "checkpoint_every": 0, **trainer})
+    if full_fine_tuning:
+        raw["trainer"].pop("lora")
+        raw["trainer"]["optimizer"] = {"lr": 3e-3}
+    raw["tracking"] = {"enabled": False}
+    return raw
+
+
 @dataclass
 class TrackedRun:
     """A real run (Ray + MLflow) shared by the end-to-end and notebook tests."""

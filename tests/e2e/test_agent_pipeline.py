@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import Recorder
+from conftest import Recorder, with_staleness_guard
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 
@@ -26,8 +26,7 @@ def _run(tmp_path, mode: str = "sync", mode_params: dict | None = None) -> Recor
     raw["data"]["prompts_per_step"] = 8
     if mode != "sync":
         raw["mode"], raw["mode_params"] = mode, mode_params
-        at = [s["kind"] for s in raw["stages"]].index("balance")
-        raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
+        with_staleness_guard(raw)
     rec = Recorder()
     run_pipeline(validate_config(raw), "", observer=rec, inline=True)
     return rec

@@ -9,7 +9,7 @@ from io import StringIO
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import quickstart_raw
+from conftest import quickstart_raw, with_staleness_guard
 from rlpipe.cli import main
 from rlpipe.engine.tracking import runs, traces
 from rlpipe.engine.planning.config_io import validate_config
@@ -31,10 +31,9 @@ def test_separate_async_on_ray_bounds_staleness_and_records_trajectory_lineage(r
         if stage["kind"] == "generate":
             stage = {**stage, "params": {"n": 4, "max_tokens": 16, "ignore_eos": True,
                                          "length_distribution": "pareto", "min_tokens": 2}}
-        if stage["kind"] == "balance":
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
+    with_staleness_guard(raw)
     # evaluation beside training: the eval prompts share the replica's service on a lane of their own
     raw["eval"] = {"data": {"source": "digits", "params": {"task": "reverse", "num_digits": 2, "size": 8},
                             "prompts_per_step": 8}, "every": 2, "before_training": True,

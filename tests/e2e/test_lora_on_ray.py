@@ -9,14 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-
+from conftest import lora_quickstart_raw, with_staleness_guard
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 40
 MARGIN = 0.2
 """LoRA's mean reward over the last third may trail full fine-tuning's by at most this in separate_async (reward is
@@ -24,17 +22,10 @@ MARGIN = 0.2
 
 
 def _raw(tmp_path: Path, lora: bool) -> dict:
-    raw = yaml.safe_load((ROOT / "pipelines/quickstart_lora.yaml").read_text())
-    raw["trainer"].update({"output_dir": str(tmp_path), "checkpoint_every": 0, "total_steps": STEPS})
-    if not lora:  # as the in-process comparison: the quickstart's lr (at LoRA's 5e-3 full fine-tuning learns less)
-        raw["trainer"].pop("lora")
-        raw["trainer"]["optimizer"] = {"lr": 3e-3}
-    raw["tracking"] = {"enabled": False}
+    raw = lora_quickstart_raw(tmp_path, full_fine_tuning=not lora, total_steps=STEPS)
     raw["mode"] = "separate_async"
     raw["mode_params"] = {"max_off_policy_threshold": 2, "strategy": "drop", "capacity_steps": 2}
-    at = next(i for i, s in enumerate(raw["stages"]) if s["kind"] == "balance")
-    raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
-    return raw
+    return with_staleness_guard(raw)
 
 
 def test_lora_learns_in_separate_async_on_ray_as_well_as_full_fine_tuning(ray_session, tmp_path):
@@ -69,10 +60,7 @@ def test_lora_in_sync_on_ray_learns_exactly_as_in_process(ray_session, tmp_path)
     tests/engine/test_lora_pipeline.py compares with full fine-tuning)."""
     curves = {}
     for where in ("in process", "on Ray"):
-        raw = yaml.safe_load((ROOT / "pipelines/quickstart_lora.yaml").read_text())
-        raw["trainer"].update({"output_dir": str(tmp_path / where.replace(" ", "_")), "checkpoint_every": 0,
-                               "total_steps": 12})
-        raw["tracking"] = {"enabled": False}
+        raw = lora_quickstart_raw(tmp_path / where.replace(" ", "_"), total_steps=12)
         rewards: list[float] = []
         run_pipeline(validate_config(raw), "", inline=where == "in process",
                      on_step=lambda step, metrics, r=rewards: r.append(metrics["reward/mean"]))

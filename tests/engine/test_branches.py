@@ -3,7 +3,7 @@ real plan and where its calls run."""
 
 from __future__ import annotations
 
-from conftest import quickstart_raw
+from conftest import quickstart_raw, with_reference
 from rlpipe.engine.execution.branches import runs_beside, waits_on
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
@@ -11,16 +11,7 @@ from rlpipe.engine.planning.plan import build_plan
 
 def _plan():
     """The quickstart with a reference model listed after old_log_prob and a KL loss that reads it."""
-    raw = quickstart_raw()
-    stages = []
-    for s in raw["stages"]:
-        if s["kind"] == "update":
-            s = {**s, "params": {**s["params"], "use_kl_loss": True, "kl_loss_coef": 0.01}}
-        stages.append(s)
-        if s["kind"] == "old_log_prob":
-            stages.append({"kind": "ref", "impl": "reference"})
-    raw["stages"] = stages
-    plan = build_plan(validate_config(raw))
+    plan = build_plan(validate_config(with_reference(quickstart_raw())))
     return plan, {n.name: n for n in plan.nodes}
 
 

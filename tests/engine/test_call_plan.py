@@ -4,7 +4,7 @@ placement written down here: no Ray."""
 
 from __future__ import annotations
 
-from conftest import quickstart_raw
+from conftest import quickstart_raw, with_reference
 from rlpipe.engine.execution.call_plan import CallRules, compile_calls
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
@@ -24,15 +24,7 @@ class Layout:
 
 
 def _nodes(with_ref: bool):
-    raw = quickstart_raw()
-    stages = []
-    for s in raw["stages"]:
-        if s["kind"] == "update" and with_ref:
-            s = {**s, "params": {**s["params"], "use_kl_loss": True, "kl_loss_coef": 0.01}}
-        stages.append(s)
-        if s["kind"] == "old_log_prob" and with_ref:
-            stages.append({"kind": "ref", "impl": "reference"})
-    raw["stages"] = stages
+    raw = with_reference(quickstart_raw()) if with_ref else quickstart_raw()
     return build_plan(validate_config(raw)).nodes
 
 
@@ -91,7 +83,7 @@ def test_colocated_roles_share_one_call():
 def _ppo_nodes():
     """PPO with a critic and a reference model: ref and critic_values listed after old_log_prob, GAE reads the
     values, the KL loss the reference's log-probs."""
-    raw = _raw_with_ref()
+    raw = with_reference(quickstart_raw())
     stages = []
     for s in raw["stages"]:
         if s["kind"] == "advantage":
@@ -100,19 +92,6 @@ def _ppo_nodes():
         stages.append(s)
     raw["stages"] = stages + [{"kind": "critic_update", "impl": "ppo"}]
     return build_plan(validate_config(raw)).nodes
-
-
-def _raw_with_ref():
-    raw = quickstart_raw()
-    stages = []
-    for s in raw["stages"]:
-        if s["kind"] == "update":
-            s = {**s, "params": {**s["params"], "use_kl_loss": True, "kl_loss_coef": 0.01}}
-        stages.append(s)
-        if s["kind"] == "old_log_prob":
-            stages.append({"kind": "ref", "impl": "reference"})
-    raw["stages"] = stages
-    return raw
 
 
 def test_the_reference_and_the_critic_start_beside_old_log_prob_each_on_its_own_worker():

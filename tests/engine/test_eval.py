@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import ROOT, Recorder, quickstart_raw
+from conftest import ROOT, Recorder, quickstart_raw, with_staleness_guard
 from rlpipe.engine.evaluation import eval_metrics
 from rlpipe.engine.planning.config_io import load_pipeline, validate_config
 from rlpipe.engine.planning.plan import build_plan
@@ -68,14 +68,7 @@ def test_bad_eval_settings_are_refused_naming_the_field(tmp_path, change, error)
 
 
 def _async_raw(tmp_path, mode: str, mode_params: dict, steps: int, **eval_changes) -> dict:
-    raw = {**_raw(tmp_path, steps, **eval_changes), "mode": mode, "mode_params": mode_params}
-    stages = []
-    for stage in raw["stages"]:
-        if stage["kind"] == "balance":
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
-        stages.append(stage)
-    raw["stages"] = stages
-    return raw
+    return with_staleness_guard({**_raw(tmp_path, steps, **eval_changes), "mode": mode, "mode_params": mode_params})
 
 
 @pytest.mark.parametrize("mode, mode_params", [

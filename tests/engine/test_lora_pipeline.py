@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
-from conftest import Recorder
+from conftest import Recorder, lora_quickstart_raw
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
@@ -24,10 +23,9 @@ MARGIN = 0.1
 """LoRA's mean reward over the last third may trail full fine-tuning's by at most this (reward is 0..1)."""
 
 
-def lora_raw(tmp_path: Path, **trainer) -> dict:
-    raw = yaml.safe_load((ROOT / "pipelines/quickstart_lora.yaml").read_text())
-    raw["trainer"].update({"output_dir": str(tmp_path), "checkpoint_every": 0, **trainer})
-    raw["tracking"] = {"enabled": False, "sample_trajectories": 100000}
+def lora_raw(tmp_path: Path, full_fine_tuning: bool = False, **trainer) -> dict:
+    raw = lora_quickstart_raw(tmp_path, full_fine_tuning, **trainer)
+    raw["tracking"]["sample_trajectories"] = 100000  # the recorder sees every row
     return raw
 
 
@@ -36,10 +34,7 @@ def test_lora_learns_as_well_as_full_fine_tuning_on_the_same_seeds(tmp_path):
     trainer.lora and takes the quickstart's lr (3e-3; at LoRA's 5e-3 it learns less)."""
     curves = {}
     for name in ("lora", "full"):
-        raw = lora_raw(tmp_path / name, total_steps=STEPS)
-        if name == "full":
-            raw["trainer"].pop("lora")
-            raw["trainer"]["optimizer"] = {"lr": 3e-3}
+        raw = lora_raw(tmp_path / name, name == "full", total_steps=STEPS)
         rewards, pushed = [], []
 
         def on_step(step, metrics, rewards=rewards, pushed=pushed):

@@ -25,7 +25,7 @@ from rlpipe.engine.tracking.observer import NullObserver
 from rlpipe.schemas.batch import ADVANTAGES, OLD_LOGPROBS
 from rlpipe.stage import StageContext
 
-from conftest import Recorder, quickstart_raw
+from conftest import Recorder, quickstart_raw, with_staleness_guard
 
 pytestmark = pytest.mark.e2e
 
@@ -199,8 +199,7 @@ def test_separate_async_starts_the_next_steps_training_while_the_driver_ends_the
     raw = _raw(tmp_path, steps=4)
     raw["mode"] = "separate_async"
     raw["mode_params"] = {"max_off_policy_threshold": 2, "capacity_steps": 2}
-    at = next(i for i, s in enumerate(raw["stages"]) if s["kind"] == "balance")
-    raw["stages"].insert(at, {"kind": "staleness_guard", "impl": "max_staleness"})
+    with_staleness_guard(raw)
     observer = SlowStepEnd()
     run_pipeline(validate_config(raw), "", observer=observer)
     assert observer.status == "FINISHED"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import Recorder, quickstart_raw
+from conftest import Recorder, quickstart_raw, with_staleness_guard
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
@@ -23,11 +23,9 @@ def _raw(mode: str, steps: int = 3, mode_params: dict | None = None, guard: bool
     for stage in raw["stages"]:
         if stage["kind"] == "generate":
             stage = {**stage, "params": {**stage["params"], "n": 4, **gen}}
-        if stage["kind"] == "balance" and guard:
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
-    return raw
+    return with_staleness_guard(raw) if guard else raw
 
 
 def _run(raw: dict, tmp_path) -> Recorder:

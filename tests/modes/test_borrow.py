@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import Recorder, quickstart_raw
+from conftest import Recorder, quickstart_raw, with_staleness_guard
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.planning.plan import build_plan
 from rlpipe.engine.runtime import run_pipeline
@@ -118,10 +118,9 @@ def _raw(tmp_path, steps: int, borrow: dict, **gen) -> dict:
     for stage in raw["stages"]:
         if stage["kind"] == "generate":
             stage["params"] = {**stage["params"], "n": 4, **gen}
-        if stage["kind"] == "balance":
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
+    with_staleness_guard(raw)
     return raw
 
 

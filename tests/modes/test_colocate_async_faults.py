@@ -11,7 +11,7 @@ from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.modes.async_common import RolloutStalled
 
-from conftest import Recorder, quickstart_raw
+from conftest import Recorder, quickstart_raw, with_staleness_guard
 
 
 def test_no_finished_group_for_the_stall_timeout_fails_the_run_naming_the_field(tmp_path):
@@ -21,10 +21,9 @@ def test_no_finished_group_for_the_stall_timeout_fails_the_run_naming_the_field(
     for stage in raw["stages"]:
         if stage["kind"] == "generate":  # every trajectory waits >= 3 s on its environment before its first token
             stage["params"] = {**stage["params"], "n": 2, "env_latency_s": 3.0, "env_latency_max_s": 3.5}
-        if stage["kind"] == "balance":
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
+    with_staleness_guard(raw)
     observer = Recorder()
     start = time.monotonic()
     with pytest.raises(RolloutStalled) as caught:

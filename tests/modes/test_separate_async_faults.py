@@ -12,7 +12,7 @@ from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import RlpipeError, StageError
 from rlpipe.modes.separate_async import RolloutStalled
 
-from conftest import Recorder, quickstart_raw
+from conftest import Recorder, quickstart_raw, with_staleness_guard
 
 
 def _raw(tmp_path, steps: int, mode_params: dict | None = None, reward: dict | None = None, **reward_node) -> dict:
@@ -26,10 +26,9 @@ def _raw(tmp_path, steps: int, mode_params: dict | None = None, reward: dict | N
         if stage["kind"] == "reward":
             stage.update(reward_node)
             stage["params"] = reward or {}
-        if stage["kind"] == "balance":
-            stages.append({"kind": "staleness_guard", "impl": "max_staleness"})
         stages.append(stage)
     raw["stages"] = stages
+    with_staleness_guard(raw)
     return raw
 
 

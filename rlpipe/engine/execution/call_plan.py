@@ -167,15 +167,16 @@ def compile_calls(nodes: Sequence[Any], rules: CallRules) -> tuple[Call, ...]:
         after = i + len(group)
         running = [(group, role)]
         branches: list[Call] = []
-        while not handed and after < len(nodes):
-            candidate, candidate_role = fusable(nodes, after, rules)
-            starts_as = beside(nodes, running, candidate, candidate_role, rules)
+        pair = None  # the call after this one and its branches (nodes, role)
+        while after < len(nodes):
+            pair = fusable(nodes, after, rules)
+            starts_as = None if handed else beside(nodes, running, *pair, rules)
             if starts_as is None:
                 break
-            branches.append(Call(tuple(candidate), after, starts_as, False, True))
-            running.append((candidate, starts_as))
-            after += len(candidate)
-        pair = fusable(nodes, after, rules) if after < len(nodes) else None
+            branches.append(Call(tuple(pair[0]), after, starts_as, False, True))
+            running.append((pair[0], starts_as))
+            after += len(pair[0])
+            pair = None
         gives = (_is_worker_chain(group, role) and not branches and pair is not None
                  and hands_on(group, *pair, rules))
         calls.append(Call(tuple(group), i, role if _is_worker_chain(group, role) else None, gives))
