@@ -112,13 +112,17 @@ def fast_tier_guard(monkeypatch):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for all end-to-end tests (starting Ray costs ~5 s)."""
+    """One local Ray for all end-to-end tests (starting Ray costs ~5 s); a finished run's workers are kept for the
+    next run (rlpipe.engine.execution.worker_pool: each new model-holding worker imports torch and transformers)."""
     import ray
 
+    from rlpipe.engine.execution import worker_pool
     from rlpipe.engine.execution.ray_runtime import init_ray
 
     init_ray(None, 2)
+    worker_pool.keep_idle_workers()
     yield ray
+    worker_pool.keep_idle_workers(False)
     ray.shutdown()
 
 

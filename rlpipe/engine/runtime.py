@@ -238,6 +238,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
     tracking = RunStart(observer, config.model_dump(mode="json"), pipeline_yaml, summary)
     beside = " (MLflow tracking starts beside it)" if config.tracking.enabled else ""
     runtime = backend = None
+    finished = False
     started = time.time()
     try:
         try:
@@ -273,6 +274,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         model_dir = runtime.save_model("final")
         if config.trainer.checkpoint_every:  # what --extend continues from
             checkpoint.save(runtime, config.trainer.total_steps)
+        finished = True
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGINT/SIGTERM under `rlpipe run` (rlpipe.engine.interrupt)
         if tracking.opened() is not None:
             observer.on_run_end("KILLED", str(interrupt.stop_of(exc)))
@@ -283,7 +285,7 @@ def run_pipeline(config: PipelineConfig, pipeline_yaml: str = "",
         raise
     finally:
         if backend is not None:
-            backend.shutdown()
+            backend.shutdown(finished)
     observer.on_run_end("FINISHED")
     log.info("run %s finished in %.1fs", run_id, time.time() - started)
     checkpoints = Path(runtime.output_dir) / "checkpoints"

@@ -9,6 +9,7 @@ import time
 import pytest
 import ray
 
+from rlpipe.engine.execution import worker_pool
 from rlpipe.engine.execution.ray_runtime import RayBackend
 from rlpipe.engine.execution.worker_start import WorkerStartTimeout
 from rlpipe.engine.planning.config_io import validate_config
@@ -20,8 +21,10 @@ pytestmark = pytest.mark.e2e
 
 
 def our_actors() -> list[str]:
-    """rlpipe's live worker actors (named rlpipe:<role>:<rank>:<tag>)."""
-    return [name for name in ray.util.list_named_actors() if name.startswith("rlpipe:")]
+    """rlpipe's live worker actors (named rlpipe:<role>:<rank>:<tag>) other than the idle ones kept from finished
+    runs (tests/conftest.py's ray_session keeps them: rlpipe.engine.execution.worker_pool)."""
+    kept = set(worker_pool.kept())
+    return [name for name in ray.util.list_named_actors() if name.startswith("rlpipe:") and name not in kept]
 
 
 @pytest.mark.parametrize("resources, message", [

@@ -46,9 +46,9 @@ def _watch_backend(monkeypatch, fail: bool = False) -> tuple[threading.Event, li
             raise RuntimeError("the trainer's model does not fit")
         real_init(self, *args, **kwargs)
 
-    def shutdown(self):
+    def shutdown(self, finished=False):
         shutdowns.append("shutdown")
-        real_shutdown(self)
+        real_shutdown(self, finished)
 
     monkeypatch.setattr(inline.InlineBackend, "__init__", init)
     monkeypatch.setattr(inline.InlineBackend, "shutdown", shutdown)

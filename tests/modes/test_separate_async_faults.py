@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rlpipe.engine.execution import worker_pool
 from rlpipe.engine.planning.config_io import validate_config
 from rlpipe.engine.runtime import run_pipeline
 from rlpipe.errors import RlpipeError, StageError
@@ -64,7 +65,9 @@ def test_a_killed_rollout_actor_is_one_error_naming_the_replica(ray_session, tmp
     def kill_rollout_after_step_0(step, metrics):
         if step == 0:
             killed_at.append(time.monotonic())
-            names = [n for n in ray_session.util.list_named_actors() if n.startswith("rlpipe:rollout:0:")]
+            kept = set(worker_pool.kept())  # idle ones kept from finished runs (ray_session keeps them)
+            names = [n for n in ray_session.util.list_named_actors() if n.startswith("rlpipe:rollout:0:")
+                     and n not in kept]
             assert len(names) == 1, names
             ray_session.kill(ray_session.get_actor(names[0]))
 

@@ -120,8 +120,9 @@ class InlineBackend:
     def shards(self, role: str, table: pa.Table, dp_rank_column: str) -> list[np.ndarray]:
         return shard_rows(table, len(self.states[role]), self.sharded[role], dp_rank_column)
 
-    def shutdown(self) -> None:
-        """Close every state (a rollout replica stops the engine server it owns) and forget them."""
+    def shutdown(self, finished: bool = False) -> None:
+        """Close every state (a rollout replica stops the engine server it owns) and forget them (``finished``:
+        nothing is kept in process)."""
         for states in self.states.values():
             for state in states:
                 if callable(close := getattr(state, "close", None)):

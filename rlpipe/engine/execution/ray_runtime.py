@@ -19,7 +19,7 @@ import ray
 
 from rlpipe.deadline import StageTimeout
 from rlpipe.engine import interrupt
-from rlpipe.engine.execution import ray_watchdog
+from rlpipe.engine.execution import ray_watchdog, worker_pool
 from rlpipe.engine.execution.ray_errors import actor_error_line
 from rlpipe.engine.execution.ray_worker import Peers, run_task_chain, run_task_stage
 from rlpipe.engine.execution.wire import register_arrow_ipc
@@ -135,25 +135,34 @@ class RayBackend:
             raise
         return backend
 
-    def shutdown(self) -> None:
-        """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors."""
+    def shutdown(self, finished: bool = False) -> None:
+        """Close every worker's state (a rollout replica stops the engine server it owns), then kill the actors;
+        ``finished`` (the run ended by finishing): where rlpipe.engine.execution.worker_pool keeps idle workers,
+        those that may be kept are released for the next run instead."""
         hosts = [g for role, g in self.groups.items() if g.host == role]  # colocated roles: their host's workers
-        closing = {a.close.remote(): g.name(r) for g in hosts for r, a in enumerate(g.actors) if r not in g.killed}
+        keep = finished and worker_pool.enabled()
+        kept: set = set()
+        closing = {(a.release if keep and g.shape is not None else a.close).remote(): (g, r)
+                   for g in hosts for r, a in enumerate(g.actors) if r not in g.killed}
         _, stuck = ray.wait(list(closing), num_returns=len(closing), timeout=CLOSE_TIMEOUT_S) if closing else ([], [])
-        for ref, name in closing.items():
+        for ref, (group, rank) in closing.items():
+            name = group.name(rank)
             if ref in stuck:
                 log.warning("worker %s did not close within %.0f s; killing it (an engine server it owns dies "
                             "with it)", name, CLOSE_TIMEOUT_S)
                 continue
             try:
-                ray.get(ref)
+                # release answers whether the worker may host another run; close answers None
+                if ray.get(ref) is True and worker_pool.give_back((group.shape, rank), group.actors[rank]):
+                    kept.add((id(group), rank))
             except ray.exceptions.RayActorError:
                 log.info("worker %s was already gone at shutdown", name)
             except Exception as exc:  # noqa: BLE001 - a failing close must not keep the others alive
                 log.warning("closing worker %s: %s", name, actor_error_line(exc))
         for group in hosts:
-            for actor in group.actors:
-                ray.kill(actor)
+            for rank, actor in enumerate(group.actors):
+                if (id(group), rank) not in kept:
+                    ray.kill(actor)
             if group.placement_group is not None:
                 from ray.util.placement_group import remove_placement_group
 

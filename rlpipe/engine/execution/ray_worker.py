@@ -54,6 +54,35 @@ class WorkerActor:
 
     def __init__(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
                  dist_address: str | None, shipped: ShippedDirs | None = None):
+        self.imported_plugins = False
+        """Whether a run hosted here imported plugin files (their parts stay registered: never kept for another
+        run, rlpipe.engine.execution.worker_pool)."""
+        self._host(roles, rank, world_size, config, dist_address, shipped)
+
+    def restart(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
+                dist_address: str | None, shipped: ShippedDirs | None = None) -> str:
+        """Host another run's roles in this kept process (rlpipe.engine.execution.worker_pool): the start-up a new
+        worker runs, then :meth:`ready`'s answer (one call: a threaded actor may run two calls in either order)."""
+        self._host(roles, rank, world_size, config, dist_address, shipped)
+        return self.ready()
+
+    def release(self) -> bool:
+        """Close and drop this run's states (models, optimizers, engine servers, a process group), keeping the
+        process and its imports; whether it may host another run."""
+        self.close()
+        self.states.clear()
+        self.state = self.peers = None
+        import gc
+        import sys
+
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        return not self.imported_plugins
+
+    def _host(self, roles: str | tuple[str, ...], rank: int, world_size: int, config: dict,
+              dist_address: str | None, shipped: ShippedDirs | None) -> None:
         roles = (roles,) if isinstance(roles, str) else tuple(roles)
         self.role = "+".join(roles)
         self.rank = rank
@@ -80,6 +109,7 @@ class WorkerActor:
         if shipped is not None:  # resources.shared_filesystem false: the model folders came through the object store
             config, self.local_dirs = localize(config, shipped)
         parsed = PipelineConfig.model_validate(config)
+        self.imported_plugins = self.imported_plugins or bool(parsed.plugins)
         import_plugin_files(parsed.plugins)  # its stages (the rollout feeder's) and the parts they name
         for role in roles:
             self.states[role] = WORKER_ROLES.get(role).build(parsed, rank, world_size, dist_address)
@@ -94,6 +124,10 @@ class WorkerActor:
         if self.start_error is not None:
             raise self.start_error
         return f"pid {os.getpid()} on {socket.gethostname()}"
+
+    def name(self) -> str:
+        """The name this worker was started with (``rlpipe:<roles>:<rank>:<tag>``)."""
+        return ray.get_runtime_context().get_actor_name() or ""
 
     def node(self) -> str:
         """The id of the Ray node this worker runs on."""

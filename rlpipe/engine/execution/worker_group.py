@@ -11,6 +11,7 @@ from typing import Any
 
 import ray
 
+from rlpipe.engine.execution import worker_pool
 from rlpipe.engine.execution.ray_errors import actor_error_line, startup_error_line
 from rlpipe.engine.execution.ray_worker import WorkerActor
 from rlpipe.engine.execution.worker_calls import WorkerDied
@@ -63,12 +64,23 @@ class WorkerGroup:
         hosted = hosted or (role,)
         self.hosted = hosted
         """Every role these workers host; the first is the role whose group started them."""
-        self.actors = [
-            WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
-                                **options[rank])
-            .remote(hosted, rank, size, config, address, shipped)
-            for rank in range(size)
-        ]
+        self.shape = (hosted, max_concurrency, node_resource) if self.placement_group is None and not gpus else None
+        """What a kept worker must have been started as to serve here, with its rank (rlpipe.engine.execution.
+        worker_pool): the same roles and rank keep its name (``rlpipe:<roles>:<rank>:<tag>``) true. None: these
+        workers are never kept (packed in a placement group, or holding GPUs)."""
+        self.actors: list = []
+        self._started: dict[int, ray.ObjectRef] = {}
+        """Per rank given a kept worker: its restart call, which answers as ``ready`` does."""
+        for rank in range(size):
+            kept = worker_pool.take((self.shape, rank)) if self.shape is not None and worker_pool.enabled() else None
+            if kept is not None:
+                self._started[rank] = kept.restart.remote(hosted, rank, size, config, address, shipped)
+                self.actors.append(kept)
+                continue
+            self.actors.append(
+                WorkerActor.options(max_concurrency=max_concurrency, name=f"rlpipe:{'+'.join(hosted)}:{rank}:{tag}",
+                                    **options[rank])
+                .remote(hosted, rank, size, config, address, shipped))
         self.nodes: list[str] = []
         """Ray node id of every rank (filled by :meth:`ready`)."""
         self.where = ["" for _ in self.actors]
@@ -117,7 +129,7 @@ class WorkerGroup:
     def ready(self) -> None:
         """Wait until every worker has started (built its model); one that failed to is a WorkerDied naming
         it and its own exception."""
-        refs = [a.ready.remote() for a in self.actors]
+        refs = [self._started.pop(rank, None) or a.ready.remote() for rank, a in enumerate(self.actors)]
 
         def started(rank: int, ref: ray.ObjectRef) -> None:  # as each answers: a failed rank fails the start now,
             try:  # not after its peers' rendezvous times out
