@@ -6,9 +6,12 @@ for the whole cohort. Qwen2 / Llama models run the lean forward of
 ``rlpipe.backends.lean_forward`` with a cache preallocated per cohort; other
 models their own forward with a transformers ``DynamicCache`` (chosen once, at
 construction). Requests submitted while others run form a new cohort at
-the next ``step()``; finished rows leave their cohort (the cache is compacted),
-so the API is the one continuous batching needs: ``submit`` / ``step`` /
-``abort_all`` / ``has_active``.
+the next ``step()`` and join the running one at the step after (the lean forward's
+caches are merged: left-padded to one length, the positions no live row attends to
+dropped), so every step is one decode forward over every running request;
+finished rows leave their cohort (the cache is compacted). The API is the one
+continuous batching needs: ``submit`` / ``step`` / ``abort_all`` / ``has_active``.
+(The model's own forward, for other families, keeps one cohort per arrival.)
 
 Randomness is counter-based: the uniform that picks response token ``j`` of a
 request is a hash of (seed, request id, j), and a token is drawn by inverse CDF.
@@ -29,8 +32,8 @@ so decoding runs on plain weights at full speed.
 Requests of one cohort with equal tokens (the n samples of a prompt) are prefilled
 once and share the KV rows. Left out: greedy decoding (temperature must be > 0), stop
 strings, prefix-cache reuse across cohorts and for partly equal prompts, speculative
-decoding, and trimming of left padding that
-finished rows leave behind in a cohort.
+decoding, and trimming of left padding that finished rows leave behind in a
+cohort no request joins.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from rlpipe.inference import sampling
 from rlpipe.inference.contract import (
@@ -84,8 +88,10 @@ class _Cohort:
     top_p: torch.Tensor
     ignore_eos: torch.Tensor  # [B] bool
     stop_extra: torch.Tensor  # [B, S] each row's stop_token_ids besides eos, padded with -1
-    tokens: list[torch.Tensor] = field(default_factory=list)  # per step: [B] sampled ids
-    logprobs: list[torch.Tensor] = field(default_factory=list)  # per step: [B]
+    out_tokens: torch.Tensor  # [B, longest budget] the ids sampled so far, row i's first filled[i]
+    out_logprobs: torch.Tensor  # [B, longest budget]
+    filled: torch.Tensor  # [B] tokens sampled per row (rows of merged cohorts differ)
+    last_token: torch.Tensor | None = None  # [B] the token each row feeds next
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -158,6 +164,10 @@ class EmbeddedEngine(RolloutEngine):
     def step(self) -> list[GenerationResult]:
         """Prefill queued requests, decode one token for every running one; returns those that finished."""
         self._check_ready()
+        if len(self._cohorts) > 1 and isinstance(self.forward, _LeanForward):
+            # one forward for every running request (continuous batching): at this scale a forward's cost is
+            # mostly per operation, so decoding each cohort apart multiplies it by the number of cohorts
+            self._cohorts = [_merge(self._cohorts)]
         for cohort in self._cohorts:
             self._advance(cohort, self._decode_logits(cohort))
         if self._pending:
@@ -287,9 +297,13 @@ class EmbeddedEngine(RolloutEngine):
         # each is still the pure function of (request key, response position) that makes a
         # trajectory independent of its batch.
         positions = prefix[:, None] + torch.arange(int(budget.max()))[None, :]
+        width = int(budget.max())
         cohort = _Cohort(
             requests=list(requests), cache=cache, attention_mask=attention_mask, next_position=lens,
             budget=budget, uniforms=sampling.uniforms(keys[:, None], positions),
+            out_tokens=torch.zeros(len(requests), width, dtype=torch.long),
+            out_logprobs=torch.zeros(len(requests), width, dtype=torch.float32),
+            filled=torch.zeros(len(requests), dtype=torch.long),
             temperature=torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float32),
             top_k=torch.tensor([r.sampling.top_k for r in requests]),
             top_p=torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float32),
@@ -299,17 +313,20 @@ class EmbeddedEngine(RolloutEngine):
         return cohort, logits
 
     def _decode_logits(self, c: _Cohort) -> torch.Tensor:
-        logits, c.attention_mask = self.forward.decode(c.tokens[-1], c.next_position, c.attention_mask, c.cache)
+        logits, c.attention_mask = self.forward.decode(c.last_token, c.next_position, c.attention_mask, c.cache)
         c.next_position = c.next_position + 1
         return logits
 
     def _advance(self, c: _Cohort, logits: torch.Tensor) -> None:
         """Sample one token per row, then retire rows that hit eos or their budget."""
-        token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, c.uniforms[:, len(c.tokens)])
-        c.tokens.append(token)
-        c.logprobs.append(logprob)
+        at = c.filled[:, None]
+        token, logprob = sampling.sample(logits, c.temperature, c.top_k, c.top_p, c.uniforms.gather(1, at)[:, 0])
+        c.out_tokens.scatter_(1, at, token[:, None])
+        c.out_logprobs.scatter_(1, at, logprob.to(c.out_logprobs.dtype)[:, None])
+        c.filled += 1
+        c.last_token = token
         stop = (torch.isin(token, self.stop_ids) | (token[:, None] == c.stop_extra).any(1)) & ~c.ignore_eos
-        done = stop | (c.budget <= len(c.tokens))
+        done = stop | (c.budget <= c.filled)
         if not done.any():
             return
         tokens, logprobs = _stacked(c)
@@ -373,10 +390,57 @@ def _padded_stops(stops: list[tuple[int, ...]]) -> torch.Tensor:
     return out
 
 
-def _stacked(c: _Cohort) -> tuple[np.ndarray, np.ndarray]:
-    if not c.tokens:
-        return np.zeros((len(c.requests), 0), np.int32), np.zeros((len(c.requests), 0), np.float32)
-    return torch.stack(c.tokens, 1).numpy(), torch.stack(c.logprobs, 1).numpy()
+def _stacked(c: _Cohort) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per row, the tokens and logprobs sampled so far."""
+    tokens, logprobs, filled = c.out_tokens.numpy(), c.out_logprobs.numpy(), c.filled.tolist()
+    return [tokens[i, :n] for i, n in enumerate(filled)], [logprobs[i, :n] for i, n in enumerate(filled)]
+
+
+def _padded(tensors: list[torch.Tensor], width: int, value: float) -> torch.Tensor:
+    """``tensors`` (``[B_i, W_i]``) padded on the right to ``width`` with ``value`` and stacked by rows."""
+    return torch.cat([F.pad(t, (0, width - t.shape[1]), value=value) for t in tensors])
+
+
+def _merge(cohorts: list[_Cohort]) -> _Cohort:
+    """One cohort of every row of ``cohorts`` (lean forward caches): each cache's filled positions end at the
+    longest one's length (left padding, masked out), so one decode forward serves all; every row keeps its own
+    positions, budget, uniforms and sampled tokens, and samples exactly as it would have in its own cohort (up
+    to float rounding of the batched forward). Positions no remaining row attends to (the left padding that
+    finished rows leave behind) are dropped: a cohort that new requests keep joining never grows without bound."""
+    spans = []  # per cohort: its first position any remaining row attends to, its filled length
+    for c in cohorts:
+        filled = c.cache.length
+        first = c.attention_mask[:, :filled].to(torch.uint8).argmax(1)  # every row has a real prompt token
+        spans.append((int(first.min()), filled))
+    length = max(filled - start for start, filled in spans)
+    left = max(int((c.budget - c.filled).max()) for c in cohorts)
+    first = cohorts[0].cache
+    layers, _, kv_heads, _, head_dim = first.k.shape
+    cache = StaticKV(layers, sum(len(c.requests) for c in cohorts), kv_heads, length + left, head_dim,
+                     first.k.dtype, first.k.device)
+    cache.k.zero_()  # padding keys and values are read (and masked): no uninitialized NaN may reach the softmax
+    cache.v.zero_()
+    key_mask = torch.zeros(cache.k.shape[1], length + left, dtype=torch.bool)
+    key_mask[:, length:] = True
+    row = 0
+    for c, (start, filled) in zip(cohorts, spans):
+        rows, at = slice(row, row + len(c.requests)), length - (filled - start)
+        cache.k[:, rows, :, at:length] = c.cache.k[:, :, :, start:filled]
+        cache.v[:, rows, :, at:length] = c.cache.v[:, :, :, start:filled]
+        key_mask[rows, at:length] = c.attention_mask[:, start:filled]
+        row += len(c.requests)
+    cache.length = length
+    width = max(c.uniforms.shape[1] for c in cohorts)
+    stops = max(c.stop_extra.shape[1] for c in cohorts)
+    return _Cohort(
+        requests=[r for c in cohorts for r in c.requests], cache=cache, attention_mask=key_mask,
+        uniforms=_padded([c.uniforms for c in cohorts], width, 0.5),
+        out_tokens=_padded([c.out_tokens for c in cohorts], width, 0),
+        out_logprobs=_padded([c.out_logprobs for c in cohorts], width, 0.0),
+        stop_extra=_padded([c.stop_extra for c in cohorts], stops, -1),
+        **{name: torch.cat([getattr(c, name) for c in cohorts])
+           for name in ("next_position", "budget", "filled", "last_token", "temperature", "top_k", "top_p",
+                        "ignore_eos")})
 
 
 def _retain(c: _Cohort, keep: torch.Tensor) -> None:
@@ -386,8 +450,6 @@ def _retain(c: _Cohort, keep: torch.Tensor) -> None:
         return
     c.cache.batch_select_indices(keep)
     for name in ("attention_mask", "next_position", "budget", "uniforms", "temperature", "top_k", "top_p",
-                 "ignore_eos", "stop_extra"):
+                 "ignore_eos", "stop_extra", "out_tokens", "out_logprobs", "filled", "last_token"):
         setattr(c, name, getattr(c, name)[keep])
-    c.tokens = [t[keep] for t in c.tokens]
-    c.logprobs = [lp[keep] for lp in c.logprobs]
 

@@ -140,6 +140,48 @@ def test_requests_joining_mid_flight_get_the_same_tokens_as_alone():
         assert np.allclose(by_id[solo.request_id].logprobs, solo.logprobs, atol=1e-5)
 
 
+def test_cohorts_joining_at_different_steps_decode_in_one_forward_and_sample_as_if_alone():
+    """Three cohorts (prompts of other lengths, other budgets, one joining while another is half done): once
+    they run together every step is one decode forward over all of them (continuous batching), and every
+    request still gets exactly its tokens alone."""
+    eng = engine()
+    forwards = []
+    eng.model.model.embed_tokens.register_forward_hook(lambda *_: forwards.append(1))
+    a = requests(n=5, prefix="a", max_tokens=20)
+    b = [GenerationRequest(f"b{i}", TOK.encode("77 + 1 = abc"), 9, SamplingParams(seed=3)) for i in range(3)]
+    c = requests(n=4, prefix="c", max_tokens=14, seed=5)
+    eng.submit(a)
+    done = eng.step() + eng.step() + eng.step()
+    eng.submit(b)
+    done += eng.step() + eng.step()
+    eng.submit(c)
+    done += eng.step()  # c's prefill (and a+b's decode, merged by now)
+    forwards.clear()
+    steps = 0
+    while eng.has_active():
+        done += eng.step()
+        steps += 1
+    assert len(forwards) == steps  # one forward a step for every running row, not one per cohort
+    by_id = {r.request_id: r for r in done}
+    assert len(by_id) == 12
+    for solo in engine().generate(a) + engine().generate(b) + engine().generate(c):
+        assert np.array_equal(by_id[solo.request_id].response_ids, solo.response_ids), solo.request_id
+        assert np.allclose(by_id[solo.request_id].logprobs, solo.logprobs, atol=1e-5)
+
+
+def test_a_cohort_that_requests_keep_joining_keeps_only_the_positions_its_rows_attend_to():
+    """Arrivals every step keep one merged cohort alive for the whole stream; the positions of finished rows
+    (left padding for the rest) are dropped at each merge, so the cache stays as long as its longest live row."""
+    eng = engine()
+    longest_row = max(len(TOK.encode(p)) for p in PROMPTS) + 4
+    lengths = []
+    for step in range(40):
+        eng.submit(requests(n=2, prefix=f"s{step}-", max_tokens=4, ignore_eos=True))
+        eng.step()
+        lengths.append(eng._cohorts[0].cache.length)
+    assert max(lengths) <= longest_row, lengths
+
+
 def abort_after(eng, reqs, steps):
     eng.submit(reqs)
     finished = [r for _ in range(steps) for r in eng.step()]
