@@ -167,7 +167,13 @@ def _fit_generate(records: list[NodeRecord], replicas: int, per_row: dict) -> tu
         longest = [r.metrics[SYNC_CALL_METRIC] for r in calls]
         tokens = [r.metrics.get("generate/response_length_mean", 0.0) * r.rows_out / replicas for r in calls]
         # tokens first: a constant part goes to the tokens (twice the tokens per replica, twice the time)
-        return fit_cost([r.duration_s for r in calls], {"tokens": tokens, "decode_steps": longest}), "calls"
+        fit = fit_cost([r.duration_s for r in calls], {"tokens": tokens, "decode_steps": longest})
+        if not any(fit.coef.values()) and fit.intercept_s > 0 and np.mean(longest) > 0:
+            # the lengths explained none of the calls' spread (noise larger than their effect): the time is still
+            # spent decoding, so charge it per decode step (a replica's loop cannot iterate for free)
+            fit = fit.model_copy(update={"intercept_s": 0.0, "carrier": "decode_steps",
+                                         "coef": {**fit.coef, "decode_steps": fit.intercept_s / float(np.mean(longest))}})
+        return fit, "calls"
     if gens:
         mean_len = per_row.get(None, 0.0)
         tokens = sum(r.rows_out for r in gens) * mean_len / replicas

@@ -82,6 +82,9 @@ class Replica:
     _seq: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self):
+        if not (self.per_step_s > 0 or self.per_token_s > 0):  # free iterations: the loop would never advance time
+            raise ValueError(f"rollout[{self.index}]: a decode iteration must cost time (per_step_s="
+                             f"{self.per_step_s}, per_token_s={self.per_token_s}); the calibration has no generation cost")
         self.idle = self.kernel.signal(f"rollout[{self.index}] idle")
 
     # -- requests ------------------------------------------------------------------------------

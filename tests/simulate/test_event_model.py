@@ -119,3 +119,17 @@ def test_a_simulated_100_step_run_is_fast(tmp_path):
     rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
     p = simulate(rec, raw, ["mode=separate_async", "resources.rollout_replicas=4"], steps=100).prediction
     assert p.steps_done == 100 and p.wall_s < 1.0
+
+
+def test_generation_whose_lengths_explain_none_of_its_time_is_still_charged_per_decode_step(tmp_path):
+    """Recorded calls that took longer when their responses were shorter (noise beyond the lengths' effect): the
+    fit keeps no length term, and the time goes per decode step instead of making the async modes' replica
+    iterate for free (it looped without end)."""
+    lengths = [[8, 8], [4, 2], [6, 6], [2, 3]]
+    rec, raw = handbuilt(tmp_path, {"generate": lambda tokens, longest: 0.4 - 0.01 * longest, "update": T},
+                         steps=8, groups=1, lengths=lengths)
+    cal = calibrate(rec)
+    assert cal.generate.carrier == "decode_steps" and cal.generate.intercept_s == 0
+    assert cal.generate.coef["decode_steps"] > 0 and cal.generate.coef["tokens"] == 0
+    p = simulate(rec, raw, ["mode=colocate_async"], steps=20, calibration=cal).prediction
+    assert p.verdict == "ok" and p.steps_per_s > 0
