@@ -1,9 +1,10 @@
 """``rlpipe simulate``: predict a configuration of a recorded run's workload (:mod:`rlpipe.simulate`).
 
-``rlpipe simulate RUN [-o key=value ...] [--steps N] [--json] [--write-config PATH]`` calibrates
+``rlpipe simulate RUN [-o key=value ...] [--steps N] [--json] [--write-config PATH] [--log]`` calibrates
 the event model on RUN's lineage, applies the overrides to RUN's config (validated as ``rlpipe run``
 validates them), simulates it and prints the predicted figures next to what RUN measured (for
-RUN's own config: a check of the model). ``--json`` prints the same figures as one JSON object.
+RUN's own config: a check of the model). ``--json`` prints the same figures as one JSON object; ``--log``
+also logs them, with a figure, to RUN in MLflow (:mod:`rlpipe.simulate.figure`).
 The exit status is 0 whatever the verdict (it is a prediction); a config the overrides make
 invalid is an error (2), as in ``rlpipe validate``.
 """
@@ -31,6 +32,9 @@ def add_commands(sub) -> None:
     cmd.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     cmd.add_argument("--write-config", metavar="PATH", default=None,
                      help="write the simulated config as YAML (`rlpipe run PATH` runs it as simulated)")
+    cmd.add_argument("--log", action="store_true",
+                     help="also log the prediction as a figure and JSON to the recorded run in MLflow "
+                          "(artifacts simulate/<overrides>.png and .json)")
     cmd.add_argument("--tracking-uri", default=None,
                      help="MLflow store (default: MLFLOW_TRACKING_URI, else ./mlflow.db)")
     cmd.add_argument("--experiment", default=None, help="only runs of this MLflow experiment")
@@ -49,6 +53,12 @@ def run_command(args: argparse.Namespace) -> int:
         print(json.dumps(as_json(result, args.override), indent=2, sort_keys=True))
     else:
         print_table(result, args.override)
+    if args.log:
+        from rlpipe.simulate.figure import log
+
+        paths = log(result, args.override, as_json(result, args.override), args.tracking_uri)
+        if not args.json:  # --json keeps stdout one JSON object
+            Console().print(f"logged to run {result.calibration.run_id[:12]}: {', '.join(paths)}", highlight=False)
     return 0
 
 

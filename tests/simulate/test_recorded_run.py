@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from rlpipe.cli import main
 from rlpipe.engine.planning.config_io import load_pipeline
@@ -28,9 +30,9 @@ def test_cli_json_and_the_written_config_runs_as_simulated(inline_run, tmp_path,
     path = tmp_path / "simulated.yaml"
     code = main(["simulate", inline_run.run_id[:8], "--tracking-uri", inline_run.tracking_uri, "--json",
                  "--steps", "20", "-o", "mode=separate_async", "-o", "mode_params.max_off_policy_threshold=2",
-                 "--write-config", str(path)])
+                 "--write-config", str(path), "--log"])
     assert code == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)  # --log keeps stdout one JSON object
     assert {"steps_per_s", "samples_per_s", "mean_staleness", "max_staleness", "busy_share", "verdict",
             "recorded"} <= set(out)
     assert out["mode"] == "separate_async" and out["max_staleness"] <= 2 and "rollout[0]" in out["busy_share"]
@@ -38,6 +40,14 @@ def test_cli_json_and_the_written_config_runs_as_simulated(inline_run, tmp_path,
     config, _ = load_pipeline(path)  # what `rlpipe run` would read
     assert config.mode == "separate_async" and config.mode_params["max_off_policy_threshold"] == 2
     assert [s.kind for s in config.stages][:3] == ["generate", "reward", "staleness_guard"]
+    # --log: the figure and the same JSON, next to the recorded run in MLflow
+    client = MlflowClient(inline_run.tracking_uri)
+    stem = "simulate/mode=separate_async,mode_params.max_off_policy_threshold=2"
+    assert {f.path for f in client.list_artifacts(inline_run.run_id, "simulate")} >= {f"{stem}.png", f"{stem}.json"}
+    logged = json.loads(Path(client.download_artifacts(inline_run.run_id, f"{stem}.json", str(tmp_path))).read_text())
+    assert logged == out
+    png = Path(client.download_artifacts(inline_run.run_id, f"{stem}.png", str(tmp_path))).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # a drawn figure, not an empty canvas
 
 
 def test_cli_table_and_an_invalid_override(inline_run, capsys):
