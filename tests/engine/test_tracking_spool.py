@@ -62,7 +62,9 @@ def test_run_end_stops_waiting_at_the_deadline_and_spools_what_was_not_delivered
     obs.on_step_end(0, {"reward/mean": 0.5}, pa.table({"uid": ["a", "b"]}))
     start = time.monotonic()
     obs.on_run_end("FINISHED")
-    assert time.monotonic() - start < 3
+    # the inner observer hangs for 60 s: ending well before that is stopping at the 0.5 s deadline (a tighter
+    # bound measured the loaded machine: 9 s once, in the suite's busiest minute)
+    assert time.monotonic() - start < 30
     inner.release.set()
     header, calls = read_spool(tmp_path / "run-hung" / SPOOL_NAME)
     assert header["run_id"] == "run-hung" and header["pipeline_yaml"] == "name: x\n"
