@@ -90,9 +90,10 @@ class SimSetup(Strict):
 def simulated_raw(raw: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The recorded raw config with ``overrides`` applied (and a guard added for an async mode); the notes."""
     raw = copy.deepcopy(raw)
+    recorded_mode = raw.get("mode", "sync")
     for override in overrides:
         apply_override(raw, override)
-    notes = []
+    notes = _drop_foreign_mode_params(raw, recorded_mode, overrides)
     stages = raw.get("stages") or []
     if _needs_guard(raw.get("mode", "sync")) and not any(s.get("kind") == "staleness_guard" for s in stages):
         scoring = [i for i, s in enumerate(stages) if step_role_of(s.get("kind", "")) in ("generates", "scores")]
@@ -101,6 +102,25 @@ def simulated_raw(raw: dict[str, Any], overrides: list[str]) -> tuple[dict[str, 
         after = stages[at - 1].get("name") or stages[at - 1].get("kind") if at else "the start"
         notes.append(f"added a staleness_guard stage after {after!r} ({raw['mode']} needs one)")
     return raw, notes
+
+
+def _drop_foreign_mode_params(raw: dict[str, Any], recorded_mode: str, overrides: list[str]) -> list[str]:
+    """When the overrides change the mode, the recorded mode's params the new mode does not take (an async run's
+    ``max_off_policy_threshold`` under ``-o mode=sync``) are dropped, with a note; params the overrides set are
+    kept (and validated: a wrong one stays an error)."""
+    from rlpipe.registry import registry
+
+    mode = raw.get("mode", "sync")
+    params = raw.get("mode_params") or {}
+    if mode == recorded_mode or not isinstance(params, dict) or not params:
+        return []
+    allowed = set(registry("mode").get(mode).Params.model_fields)
+    given = {o.split("=", 1)[0].split(".")[1] for o in overrides if o.startswith("mode_params.")}
+    foreign = sorted(k for k in params if k not in allowed and k not in given)
+    if not foreign:
+        return []
+    raw["mode_params"] = {k: v for k, v in params.items() if k not in foreign}
+    return [f"dropped the recorded {recorded_mode} run's mode_params {', '.join(foreign)} ({mode} does not take them)"]
 
 
 def _needs_guard(mode: str) -> bool:

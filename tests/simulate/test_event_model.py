@@ -133,3 +133,21 @@ def test_generation_whose_lengths_explain_none_of_its_time_is_still_charged_per_
     assert cal.generate.coef["decode_steps"] > 0 and cal.generate.coef["tokens"] == 0
     p = simulate(rec, raw, ["mode=colocate_async"], steps=20, calibration=cal).prediction
     assert p.verdict == "ok" and p.steps_per_s > 0
+
+
+def test_simulating_sync_from_an_async_recording_drops_the_async_params_and_keeps_given_ones_checked():
+    """`-o mode=sync` on a separate_async run: its max_off_policy_threshold, strategy and capacity_steps mean
+    nothing to sync and are dropped with a note; a mode param the user gives is still validated."""
+    from conftest import quickstart_raw, with_staleness_guard
+    from rlpipe.errors import ConfigError
+
+    raw = with_staleness_guard(quickstart_raw(mode="separate_async", mode_params={
+        "max_off_policy_threshold": 4, "strategy": "drop", "capacity_steps": 2}))
+    config, _, changed, notes = simulated_config(raw, ["mode=sync"])
+    assert config.mode == "sync" and changed["mode_params"] == {}
+    assert notes == ["dropped the recorded separate_async run's mode_params capacity_steps, max_off_policy_threshold, "
+                     "strategy (sync does not take them)"]
+    assert simulated_config(raw, ["mode=separate_async", "mode_params.max_off_policy_threshold=2"])[2][
+        "mode_params"] == {"max_off_policy_threshold": 2, "strategy": "drop", "capacity_steps": 2}  # same mode: kept
+    with pytest.raises(ConfigError, match="max_off_policy_threshold"):
+        simulated_config(raw, ["mode=sync", "mode_params.max_off_policy_threshold=2"])
