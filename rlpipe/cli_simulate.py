@@ -49,14 +49,15 @@ def run_command(args: argparse.Namespace) -> int:
     result = simulate_recording(args.run, args.override, args.steps, args.tracking_uri, args.experiment)
     if args.write_config:
         _write_config(args.write_config, result.raw_config)
+    figures = as_json(result, args.override)
     if args.json:
-        print(json.dumps(as_json(result, args.override), indent=2, sort_keys=True))
+        print(json.dumps(figures, indent=2, sort_keys=True))
     else:
         print_table(result, args.override)
     if args.log:
         from rlpipe.simulate.figure import log
 
-        paths = log(result, args.override, as_json(result, args.override), args.tracking_uri)
+        paths = log(result, args.override, figures, args.tracking_uri)
         if not args.json:  # --json keeps stdout one JSON object
             Console().print(f"logged to run {result.calibration.run_id[:12]}: {', '.join(paths)}", highlight=False)
     return 0

@@ -296,8 +296,8 @@ class EmbeddedEngine(RolloutEngine):
         # Every uniform the cohort can need, in one vectorized call instead of one per decode step;
         # each is still the pure function of (request key, response position) that makes a
         # trajectory independent of its batch.
-        positions = prefix[:, None] + torch.arange(int(budget.max()))[None, :]
         width = int(budget.max())
+        positions = prefix[:, None] + torch.arange(width)[None, :]
         cohort = _Cohort(
             requests=list(requests), cache=cache, attention_mask=attention_mask, next_position=lens,
             budget=budget, uniforms=sampling.uniforms(keys[:, None], positions),
@@ -410,8 +410,8 @@ def _merge(cohorts: list[_Cohort]) -> _Cohort:
     spans = []  # per cohort: its first position any remaining row attends to, its filled length
     for c in cohorts:
         filled = c.cache.length
-        first = c.attention_mask[:, :filled].to(torch.uint8).argmax(1)  # every row has a real prompt token
-        spans.append((int(first.min()), filled))
+        starts = c.attention_mask[:, :filled].to(torch.uint8).argmax(1)  # every row has a real prompt token
+        spans.append((int(starts.min()), filled))
     length = max(filled - start for start, filled in spans)
     left = max(int((c.budget - c.filled).max()) for c in cohorts)
     first = cohorts[0].cache

@@ -73,6 +73,5 @@ def log(result, overrides: list[str], figures: dict, tracking_uri: str | None = 
         finally:
             plt.close(fig)
         (Path(tmp) / f"{stem}.json").write_text(json.dumps(figures, indent=2, sort_keys=True), encoding="utf-8")
-        for name in (f"{stem}.png", f"{stem}.json"):
-            client.log_artifact(result.calibration.run_id, str(Path(tmp) / name), ARTIFACT_DIR)
+        client.log_artifacts(result.calibration.run_id, tmp, ARTIFACT_DIR)
     return [f"{ARTIFACT_DIR}/{stem}.png", f"{ARTIFACT_DIR}/{stem}.json"]

@@ -9,9 +9,11 @@ Ray objects (zero-copy out of the object store); torch tensors never cross proce
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import pyarrow as pa
@@ -72,10 +74,7 @@ class WorkerActor:
         self.close()
         self.states.clear()
         self.state = self.peers = None
-        import gc
-        import sys
-
-        dist = sys.modules.get("torch.distributed")
+        dist = sys.modules.get("torch.distributed")  # imported by a state that joined a process group, if any
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()

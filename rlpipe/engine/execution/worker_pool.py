@@ -67,14 +67,8 @@ def take(shape: Hashable) -> Any | None:
             actor = kept.popleft() if kept else None
         if actor is None:
             return None
-        ref = actor.ready.remote()
-        done, _ = ray.wait([ref], timeout=ALIVE_TIMEOUT_S)
-        try:
-            if done:
-                ray.get(ref)
-                return actor
-        except ray.exceptions.RayError:
-            pass
+        if _answer(actor, "ready") is not None:
+            return actor
         log.info("a kept worker no longer answers; starting a new one")
         ray.kill(actor)
 
@@ -96,15 +90,16 @@ def kept() -> list[str]:
     """The names of the idle workers kept now (``ray.get_actor(name)`` finds one), sorted."""
     with _lock:
         actors = [a for q in _idle.values() for a in q]
-    return sorted(name for a in actors if (name := _name(a)))
+    return sorted(name for a in actors if (name := _answer(a, "name")))  # one that died: taking it replaces it
 
 
-def _name(actor: Any) -> str | None:
+def _answer(actor: Any, method: str) -> Any | None:
+    """What ``actor.method()`` answers within ALIVE_TIMEOUT_S; None when it died, raised or did not answer."""
     import ray
 
     try:
-        return ray.get(actor.name.remote(), timeout=ALIVE_TIMEOUT_S)
-    except ray.exceptions.RayError:  # died while kept: taking it will replace it
+        return ray.get(getattr(actor, method).remote(), timeout=ALIVE_TIMEOUT_S)
+    except ray.exceptions.RayError:  # GetTimeoutError is one too
         return None
 
 

@@ -22,7 +22,6 @@ checks them), and the columns each stage reads and writes (``rlpipe validate`` p
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import json
 import sys
