@@ -166,8 +166,10 @@ def _fit_generate(records: list[NodeRecord], replicas: int, per_row: dict) -> tu
     if calls:
         longest = [r.metrics[SYNC_CALL_METRIC] for r in calls]
         tokens = [r.metrics.get("generate/response_length_mean", 0.0) * r.rows_out / replicas for r in calls]
-        # tokens first: a constant part goes to the tokens (twice the tokens per replica, twice the time)
-        fit = fit_cost([r.duration_s for r in calls], {"tokens": tokens, "decode_steps": longest})
+        # decode steps first: a constant part goes to the decode loop's iterations. At the batch sizes RL engines
+        # run, an iteration's cost is mostly fixed (a GPU reads the weights once per iteration whatever the batch;
+        # a CPU pays per operation), so a few requests decoding alone cost almost what a full batch does
+        fit = fit_cost([r.duration_s for r in calls], {"decode_steps": longest, "tokens": tokens})
         if not any(fit.coef.values()) and fit.intercept_s > 0 and np.mean(longest) > 0:
             # the lengths explained none of the calls' spread (noise larger than their effect): the time is still
             # spent decoding, so charge it per decode step (a replica's loop cannot iterate for free)

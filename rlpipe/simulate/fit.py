@@ -7,7 +7,8 @@ best non-negative fit over subsets of the features (there are two or three, so t
 exact and cheap).
 
 A recording rarely varies every feature: a sync run's steps all have ``prompts_per_step × n``
-rows, and a fixed-length workload all the same tokens. A feature that does not vary cannot be
+rows, and a fixed-length workload all the same tokens. A feature that does not vary (by
+:data:`IDENTIFYING_SPREAD` of its mean at least) cannot be
 told apart from the intercept; its coefficient is *not identified* (:attr:`CostFit.unidentified`).
 Then the first constant feature in the caller's order of preference takes the whole constant part
 (a proportional model: twice the work, twice the time) rather than the intercept (a fixed cost
@@ -27,7 +28,11 @@ from rlpipe.schemas.config import Strict
 
 FLOOR_SHARE = 0.25
 """The floor of a fit, as a share of the shortest recorded duration it was fitted on."""
-_RELATIVE_SPREAD = 1e-6  # a feature whose spread is below this share of its size is constant
+IDENTIFYING_SPREAD = 0.05
+"""A feature whose standard deviation is under this share of its mean is treated as constant: durations that
+vary by more than that (noise) cannot tell its effect from the intercept's. A sync recording whose generate calls
+all hit the length cap varies their decode steps by a token or two; fitted as a variable, the whole decode loop
+went to the intercept (the call's overhead) and the async modes' replicas decoded almost for free."""
 
 
 class CostFit(Strict):
@@ -100,7 +105,7 @@ def fit_cost(durations, features: dict[str, np.ndarray | list[float]]) -> CostFi
 
 
 def _varies(x: np.ndarray) -> bool:
-    return len(x) > 1 and float(np.ptp(x)) > _RELATIVE_SPREAD * max(1.0, float(np.abs(x).max()))
+    return len(x) > 1 and float(np.std(x)) > IDENTIFYING_SPREAD * max(float(np.abs(np.mean(x))), 1e-12)
 
 
 def _nonneg_lstsq(y: np.ndarray, xs: list[np.ndarray]) -> tuple[float, list[float], float] | None:

@@ -66,13 +66,33 @@ def test_separate_async_overlaps_within_its_staleness_bound(tmp_path, strategy):
     assert (p.dropped_per_step > 0) == (strategy == "drop")  # capacity 2 steps: the older half goes stale
 
 
-def test_two_replicas_halve_a_generation_bound_step(tmp_path):
-    rec, raw = handbuilt(tmp_path, {"generate": 0.8, "update": 0.1})
-    one = simulate(rec, raw, steps=20).prediction
-    two = simulate(rec, raw, ["resources.rollout_replicas=2"], steps=20).prediction
-    assert one.steps_per_s == pytest.approx(1 / 0.9)
-    assert two.steps_per_s == pytest.approx(1 / (0.4 + 0.1))
+def test_two_replicas_split_generation_whose_time_follows_its_tokens(tmp_path):
+    """Recorded calls whose time is proportional to their tokens (they vary; the longest response does not): the
+    cost is per token, so two replicas, each decoding half the tokens, halve generation."""
+    lengths = [[8, 8], [2, 2], [8, 2], [4, 4], [6, 6]]  # four groups a step: the steps' tokens differ, all reach 8
+    per_token = 0.8 / 40
+    rec, raw = handbuilt(tmp_path, {"generate": lambda tokens, longest: per_token * tokens, "update": 0.1}, steps=8,
+                         groups=4, lengths=lengths)
+    cal = calibrate(rec)
+    assert cal.generate.coef["tokens"] == pytest.approx(per_token)
+    assert cal.generate.coef["decode_steps"] == pytest.approx(0, abs=1e-9)
+    one = simulate(rec, raw, steps=40, calibration=cal).prediction
+    two = simulate(rec, raw, ["resources.rollout_replicas=2"], steps=40, calibration=cal).prediction
+    # each replica decodes two of a step's four groups: the bigger half of its tokens (50–60% of them here)
+    assert 0.5 <= (two.step_s - 0.1) / (one.step_s - 0.1) <= 0.6
     assert set(two.busy_share) >= {"rollout[0]", "rollout[1]"}
+
+
+def test_generation_the_recording_never_varied_is_charged_per_decode_step(tmp_path):
+    """Every call the same length and tokens: nothing tells a fixed cost per decode iteration from a cost per
+    token, and the guess is per iteration (a decode step costs about the same for few requests as for many at
+    these batch sizes), said as unidentified: a second replica does not shorten a sync call."""
+    rec, raw = handbuilt(tmp_path, {"generate": 0.8, "update": 0.1})
+    cal = calibrate(rec)
+    assert cal.generate.carrier == "decode_steps" and set(cal.generate.unidentified) == {"decode_steps", "tokens"}
+    one = simulate(rec, raw, steps=20, calibration=cal).prediction
+    two = simulate(rec, raw, ["resources.rollout_replicas=2"], steps=20, calibration=cal).prediction
+    assert one.steps_per_s == pytest.approx(1 / 0.9) and two.steps_per_s == pytest.approx(1 / 0.9)
 
 
 @pytest.mark.parametrize("strategy", ["drop", "wait"])
@@ -104,7 +124,9 @@ def test_a_rollout_bound_async_run_starves_the_trainer(tmp_path):
     rec, raw = handbuilt(tmp_path, {"generate": 1.0, "update": 0.1})
     p = simulate(rec, raw, ["mode=separate_async"], steps=30).prediction
     assert p.verdict == "starves" and p.trainer_wait_share > 0.5
-    assert p.steps_per_s == pytest.approx(1.0, rel=0.05)  # one batch per second of generation
+    # the call's second goes per decode step (nothing varied): the buffer keeps two steps' groups in flight and
+    # each iteration decodes them all, so about two batches a second
+    assert p.steps_per_s == pytest.approx(2.0, rel=0.1)
 
 
 def test_a_guard_stricter_than_the_buffer_stops_the_run(tmp_path):

@@ -40,3 +40,14 @@ def test_the_floor_keeps_a_small_call_from_costing_nothing():
     assert fit(tokens=1) == pytest.approx(FLOOR_SHARE * 0.4)
     with pytest.raises(ValueError, match="tokens"):
         fit(rows=3)
+
+
+def test_a_length_that_barely_varies_is_not_identified():
+    """Calls that all hit the length cap but one or two (longest 96, 95, 94): a fit that took that spread as a
+    signal put the whole decode loop in the call's overhead; under IDENTIFYING_SPREAD it is constant."""
+    longest = np.array([96, 96, 95, 96, 94, 96.0])
+    tokens = np.array([1200, 1500, 1300, 1700, 1250, 1600.0])
+    durations = 0.0012 * longest + 2e-5 * tokens + np.array([0.001, -0.0004, 0.0006, -0.001, 0.0003, 0.0])  # noise
+    fit = fit_cost(durations, {"decode_steps": longest, "tokens": tokens})
+    assert fit.unidentified == ["decode_steps"] and fit.carrier == "decode_steps" and fit.intercept_s == 0
+    assert fit.coef["decode_steps"] == pytest.approx(0.0012, rel=0.1)
