@@ -158,6 +158,11 @@ class RolloutEngine(abc.ABC):
     def submit(self, requests: Iterable[GenerationRequest]) -> None:
         """Queue requests; invalid ones raise EngineError before any is queued."""
 
+    decodes_in_process: bool = False
+    """True when ``step()`` is one decode iteration computed in the calling thread (the embedded engine): its
+    duration is what an iteration costs, and that thread's CPU time what it needed (the rollout service records
+    both for ``rlpipe simulate``). A server client's ``step`` waits on another process: neither."""
+
     @abc.abstractmethod
     def step(self) -> list[GenerationResult]:
         """Advance generation; return the requests that finished since the last call."""

@@ -101,6 +101,8 @@ class EmbeddedEngine(RolloutEngine):
     parameters on every push); give a trainer its own copy.
     """
 
+    decodes_in_process = True
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0,
                  lean: bool = True, adapter: MergedAdapter | None = None):
         self.model = model.eval()

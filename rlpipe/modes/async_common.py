@@ -125,6 +125,14 @@ def check_progress(config, plan) -> None:
 WORKER_ROLES.add("sampler", RoleSpec(build_sampler, sharded=False, size=lambda c: 1, max_concurrency=64))
 
 
+DECODE_SUMS = {key: f"rollout/{key}" for key in ("decode_steps", "decode_tokens", "decode_s", "decode_tokens_sq",
+                                                 "decode_token_s", "decode_cpu_s")}
+"""An in-process engine's service stat → the step metric of its sum over the replicas during the step: decode
+iterations, the requests they decoded (tokens), their seconds, the sums of requests² and requests × seconds — what
+a least-squares fit of an iteration's seconds on its requests needs — and the decode loop's CPU seconds (with the
+seconds, the share of a core it got). ``rlpipe simulate`` calibrates its replicas on them."""
+
+
 def group_order(table: pa.Table) -> pa.Table:
     """Rows grouped in order of first appearance, each group by sample index (the generate stage's order)."""
     _, rank = groups_by_appearance(table)
@@ -210,7 +218,11 @@ class AsyncMode(Mode):
             return {}
         busy = sum(s["busy_s"] - p["busy_s"] for s, p in zip(stats, previous))
         idle = sum(s["idle_s"] - p["idle_s"] for s, p in zip(stats, previous))
-        return {"async/rollout_idle_fraction": idle / max(busy + idle, 1e-9)}
+        out = {"async/rollout_idle_fraction": idle / max(busy + idle, 1e-9)}
+        if all(key in s for s in (*stats, *previous) for key in DECODE_SUMS):  # in-process engines' iterations
+            out.update({name: float(sum(max(0.0, s[key] - p[key]) for s, p in zip(stats, previous)))  # a restarted
+                        for key, name in DECODE_SUMS.items()})  # service counts from 0
+        return out
 
     # --- training side -----------------------------------------------------------------------
     def start_training(self, step: int, batch: pa.Table, max_staleness: int) -> StepRun:

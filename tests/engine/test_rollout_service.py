@@ -103,6 +103,44 @@ def test_rows_equal_the_sync_generate_stage_bit_for_bit(service):
     assert later["idle_s"] >= stats["idle_s"] + 0.09
 
 
+class CountingEngine(EmbeddedEngine):
+    """Records the requests each step decodes (as the service counts them: running, not waiting)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decoded: list[int] = []
+
+    def step(self):
+        self.decoded.append(self.num_running() - self.num_waiting())
+        return super().step()
+
+
+def test_an_in_process_engine_s_decode_iterations_are_summed_for_the_simulator(service):
+    """The sums rlpipe simulate fits an iteration's cost on: per engine step 1, k, k², t, k·t and the loop's CPU
+    time, with k the requests it decoded; a server client (steps are waits, not iterations) reports none."""
+    engine = CountingEngine(model(), TOK)
+    svc = service(engine)
+    svc.submit(prompts(), GenerateParams(n=3, max_tokens=10, min_tokens=2, length_distribution="pareto",
+                                         ignore_eos=True), SEED)
+    svc.collect(min_groups=5, timeout=20)
+    stats, k = svc.stats(), engine.decoded
+    assert len(set(k)) > 1  # the long tail: the batch shrinks as requests finish
+    assert stats["decode_steps"] == len(k) == stats["steps"]
+    assert stats["decode_tokens"] == sum(k) == stats["tokens_generated"]
+    assert stats["decode_tokens_sq"] == sum(x * x for x in k)
+    assert 0 < stats["decode_s"] <= stats["busy_s"] + 1e-6  # the engine steps only, inside the busy phases
+    assert min(k) * stats["decode_s"] <= stats["decode_token_s"] <= max(k) * stats["decode_s"]
+    assert 0 < stats["decode_cpu_s"] <= stats["decode_s"] * 1.05  # the loop's own thread: at most its wall time
+
+    class Client(EmbeddedEngine):
+        decodes_in_process = False
+
+    other = service(Client(model(), TOK))
+    other.submit(prompts(), GenerateParams(n=1, max_tokens=3), SEED)
+    other.collect(min_groups=5, timeout=20)
+    assert not any(key.startswith("decode_") for key in other.stats())
+
+
 def test_only_complete_groups_are_collected(service):
     engine = GatedEngine(model(), TOK)
     svc = service(engine)

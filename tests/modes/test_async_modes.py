@@ -83,6 +83,10 @@ def test_drop_never_consumes_beyond_the_threshold_on_a_long_tail(tmp_path):
     for step, batch in rec.batches.items():
         lag = step - min(np.concatenate(batch.column("token_versions").to_numpy(zero_copy_only=False)))
         assert lag <= 2  # a token is never older than the prompt's submission
+    # the replicas' decode iterations per step (what rlpipe simulate calibrates on): every step after the first
+    decode = [m for step, m in rec.metrics.items() if step > 0]
+    assert all("rollout/decode_cpu_s" in m for m in decode) and sum(m["rollout/decode_steps"] for m in decode) > 0
+    assert all(m["rollout/decode_tokens"] >= m["rollout/decode_steps"] for m in decode)
 
 
 def test_wait_never_drops_and_stays_within_the_threshold(tmp_path):

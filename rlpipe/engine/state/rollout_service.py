@@ -99,6 +99,12 @@ class RolloutService:
             ("steps", "tokens_generated", "requests_submitted", "requests_finished", "requests_aborted",
              "requests_resumed", "requests_dropped", "groups_completed", "groups_collected", "groups_dropped"), 0)
         self._in_engine = 0
+        self._iterations = ({"decode_steps": 0.0, "decode_tokens": 0.0, "decode_s": 0.0, "decode_tokens_sq": 0.0,
+                             "decode_token_s": 0.0, "decode_cpu_s": 0.0} if engine.decodes_in_process else None)
+        """An in-process engine's decode iterations: sums over its steps of 1, k, t, k², k·t and c (t: the step's
+        seconds, k: the requests it decoded, c: this thread's CPU seconds in it) — the least-squares fit
+        t = a + b·k of an iteration's cost, and the CPU share the loop got (rlpipe.simulate calibrates its
+        replicas on both). None for a server client, whose steps are waits, not iterations."""
         self._phase, self._since = "idle", time.perf_counter()
         self._seconds = {"busy": 0.0, "idle": 0.0, "paused": 0.0}
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -127,6 +133,7 @@ class RolloutService:
                 # each running request samples one token per step; waiting ones take none
                 running = self.engine.num_running() - self.engine.num_waiting()
                 self._enter("busy")
+            began, began_cpu = time.perf_counter(), time.thread_time()
             try:
                 results = self.engine.step()
             except BaseException as exc:  # noqa: BLE001 - surfaced to every caller, never swallowed
@@ -136,13 +143,25 @@ class RolloutService:
                     self._enter("idle")
                     self._cond.notify_all()
                 return
+            took, took_cpu = time.perf_counter() - began, time.thread_time() - began_cpu
             with self._cond:
                 self._stepping = False
                 self._enter("paused" if self._paused else "idle")
                 self._counts["steps"] += 1
                 self._counts["tokens_generated"] += running
+                if self._iterations is not None:
+                    self._count_iteration(running, took, took_cpu)
                 self._file(results)
                 self._cond.notify_all()
+
+    def _count_iteration(self, requests: int, seconds: float, cpu_s: float) -> None:
+        sums = self._iterations
+        sums["decode_steps"] += 1
+        sums["decode_tokens"] += requests
+        sums["decode_s"] += seconds
+        sums["decode_tokens_sq"] += requests * requests
+        sums["decode_token_s"] += requests * seconds
+        sums["decode_cpu_s"] += cpu_s
 
     def _lost(self) -> None:
         """Requests vanished from the engine (lock held): someone drove it behind the service's back."""
@@ -386,7 +405,8 @@ class RolloutService:
         """Cumulative counters and seconds since construction, and the current queue sizes.
 
         ``busy_s`` is time spent in ``engine.step()``, ``idle_s`` everything else
-        (``paused_s`` is the paused part of it): diff two calls for an idle fraction.
+        (``paused_s`` is the paused part of it): diff two calls for an idle fraction. ``decode_*``: an
+        in-process engine's decode iterations (see ``_iterations``).
         """
         with self._cond:
             seconds = dict(self._seconds)
@@ -398,6 +418,7 @@ class RolloutService:
                 "idle_s": seconds["idle"] + seconds["paused"],
                 "paused_s": seconds["paused"],
                 **{k: float(v) for k, v in self._counts.items()},
+                **(self._iterations or {}),
                 "queued_requests": float(len(self._held)),
                 "running_requests": float(self._in_engine),
                 "aborted_requests": float(len(self._aborted)),
