@@ -11,13 +11,16 @@ versions) is turned into the costs the event model needs:
   ``call overhead + per_step_s × longest response + per_token_s × tokens per replica`` — the
   continuous-batching model of :mod:`rlpipe.simulate.replica` — fitted on the calls' recorded
   ``generate/response_length_max`` and ``_mean``. An async run's generate records are
-  collections (how long the driver or a feeder waited for finished groups), not calls: from them
+  collections (how long the driver or a feeder waited for finished groups), not calls; its
+  replicas record their decode iterations instead (the ``rollout/decode_*`` step metrics): an
+  iteration's seconds fitted as ``per_step_s + per_token_s × requests it decoded``. Without them
   only a throughput is estimated (collection time per token, no per-step part);
 * **response lengths**: every recorded group's lengths, resampled whole by the simulator, and the
   share that hit the recorded cap (``max_tokens``);
 * **the gap between steps**: the driver's own time between one step's last node and the next
-  one's first (writing records, drawing prompts): the mean in a sync run, the 10th percentile in
-  an async one (there a gap also holds the trainer's wait for a batch); and **between nodes**, per
+  one's first (writing records, drawing prompts; in an async run also the buffer's sample and the
+  replicas' reports): the mean, in an async run after taking out the step's recorded wait for its
+  batch (``async/guard_wait_s``; without it the 10th percentile of the gaps); and **between nodes**, per
   node, the mean time from the end of the execution before it to its start (the executor's work
   between calls);
 * **what was measured** (:class:`Measured`), to print next to a prediction of the same config.
@@ -57,6 +60,12 @@ class Recording:
     records: list[NodeRecord]
     trajectories: pa.Table | None = None
     """:data:`rlpipe.engine.tracking.lineage.TRAJECTORY_LINEAGE_SCHEMA` rows (None: not recorded)."""
+    trainer_waits: dict[int, float] | None = None
+    """An async run's ``async/guard_wait_s`` per step: how long the driver waited for the step's batch (None: not
+    recorded, or a sync run)."""
+    decode_sums: dict[str, dict[int, float]] | None = None
+    """An async run's ``rollout/decode_*`` metrics (rlpipe.modes.async_common.DECODE_SUMS) per step: its replicas'
+    decode iterations (None: not recorded)."""
 
 
 class Measured(Strict):
@@ -96,8 +105,9 @@ class Calibration(Strict):
     generate: CostFit = Field(default_factory=CostFit)
     """Generation: intercept = a sync call's overhead, coef ``decode_steps`` = seconds per decode iteration,
     ``tokens`` = seconds per token per iteration (per replica)."""
-    generate_source: Literal["calls", "throughput", "none"] = "none"
-    """calls: fitted on sync generate calls; throughput: estimated from async collections; none: no record."""
+    generate_source: Literal["calls", "iterations", "throughput", "none"] = "none"
+    """calls: fitted on sync generate calls; iterations: on an async run's recorded decode iterations (the
+    ``rollout/decode_*`` metrics); throughput: estimated from async collections; none: no record."""
     group_lengths: list[list[int]] = Field(default_factory=list)
     """Response lengths of every recorded group (one list per prompt and consuming step)."""
     length_cap: int = Field(1, ge=1)
@@ -114,6 +124,11 @@ class Calibration(Strict):
     dispatch_s: dict[str, float] = Field(default_factory=dict)
     """Per node: mean seconds between the end of the execution before it in its step and its start (the
     executor's own work between calls: lineage records, fingerprints, the next call's submission)."""
+    overlap_share: float = Field(1.0, gt=0, le=1)
+    """The share of its own speed the trainer's nodes and a replica's decode loop each get while both compute (they
+    share the cores; on a GPU cluster they do not: 1). Measured from an async recording's decode loop (its CPU
+    time over its wall time, and how much of the time the trainer computed); 1 from a sync recording, where they
+    never overlap. The fitted costs are each one's own, alone."""
     measured: Measured | None = None
     """What the recorded run did."""
 
@@ -149,14 +164,19 @@ def calibrate(recording: Recording) -> Calibration:
         nodes[name] = CostFit.constant(float(np.mean([r.duration_s for r in recs])))
     replicas = config.resources.rollout_replicas
     generate, source = _fit_generate(fitted or records, replicas, per_row)
+    measured = measure(recording, warmup)
+    share = 1.0
+    iterations = _fit_iterations(recording.decode_sums, warmup) if recording.decode_sums and source != "calls" else None
+    if iterations is not None:
+        generate, source, cpu_share, decode_s = iterations
+        generate, nodes, share = _intrinsic(generate, nodes, cpu_share, decode_s, fitted, measured, replicas)
     return Calibration(
         run_id=recording.run_id, recorded_mode=config.mode, recorded_replicas=replicas, warmup_steps=warmup,
         nodes=nodes, workers=workers, generate=generate, generate_source=source, group_lengths=lengths,
         length_cap=cap, env_latency_s=float((gen.params if gen else {}).get("env_latency_s", 0.0) or 0.0),
         truncated_share=float(np.mean(np.array(flat) >= cap)) if flat else 0.0,
-        step_gap_s=_step_gap(records, config.mode), dispatch_s=_dispatch(fitted, config.mode),
-        overlapped=_overlapped(fitted),
-        measured=measure(recording, warmup),
+        step_gap_s=_step_gap(records, config.mode, recording.trainer_waits), dispatch_s=_dispatch(fitted, config.mode),
+        overlapped=_overlapped(fitted), overlap_share=share, measured=measured,
     )
 
 
@@ -185,6 +205,54 @@ def _fit_generate(records: list[NodeRecord], replicas: int, per_row: dict) -> tu
             return CostFit(coef={"tokens": seconds / tokens, "decode_steps": 0.0}, samples=len(gens),
                            unidentified=["decode_steps"]), "throughput"
     return CostFit(coef={"tokens": 0.0, "decode_steps": 0.0}), "none"
+
+
+def _fit_iterations(sums: dict[str, dict[int, float]], warmup: list[int]
+                    ) -> tuple[CostFit, str, float, float] | None:
+    """An engine step's seconds as ``per_step + per_token × requests decoded``: the least-squares line through
+    every decode iteration the replicas recorded after the warm-up (from the sums of DECODE_SUMS), coefficients
+    ≥ 0; with the share of a core the decode loop got (its CPU seconds over its seconds) and its seconds. None
+    when no iteration was recorded."""
+    from rlpipe.modes.async_common import DECODE_SUMS
+
+    total = {key: sum(v for step, v in sums[name].items() if step not in warmup) for key, name in DECODE_SUMS.items()}
+    n, k, k2, t, kt = (total[key] for key in ("decode_steps", "decode_tokens", "decode_tokens_sq", "decode_s",
+                                                "decode_token_s"))
+    if n <= 0 or t <= 0:
+        return None
+    spread = n * k2 - k * k
+    per_token = (n * kt - k * t) / spread if spread > 1e-9 * max(1.0, n * k2) else 0.0
+    per_step = (t - per_token * k) / n
+    if per_token < 0:  # more requests, no more time: noise; the iteration's cost is its fixed part
+        per_step, per_token = t / n, 0.0
+    elif per_step < 0:
+        per_step, per_token = 0.0, kt / k2
+    fit = CostFit(coef={"decode_steps": per_step, "tokens": per_token}, samples=int(n))
+    return fit, "iterations", min(1.0, max(1e-3, total["decode_cpu_s"] / t)), t
+
+
+def _intrinsic(generate: CostFit, nodes: dict[str, CostFit], cpu_share: float, decode_s: float,
+               fitted: list[NodeRecord], measured: "Measured", replicas: int
+               ) -> tuple[CostFit, dict[str, CostFit], float]:
+    """Each side's own costs, and the share of its speed each gets while both compute, from an async recording
+    where the trainer's nodes and the replicas' decode loops shared the cores part of the time.
+
+    The decode loop got ``cpu_share`` of a core on average; taking all of the loss to the time the trainer
+    computed (a share ``u_t`` of the run), each got ``c = 1 − (1 − cpu_share) / u_t`` of its speed while both ran.
+    A decode iteration's own cost is its CPU time (the fit × ``cpu_share``); a trainer node ran beside decoding a
+    share ``u_r`` of its time (the replicas' decode seconds over the run's), so its own cost is its recorded one
+    over ``1 + u_r (1/c − 1)``."""
+    if not measured.steps_per_s or not measured.steps:
+        return generate, nodes, 1.0
+    span = measured.steps / measured.steps_per_s
+    trainer_s = sum(r.duration_s for r in fitted if _trainer_side(r))
+    u_t = min(1.0, trainer_s / span)
+    u_r = min(1.0, decode_s / span / replicas)
+    if u_t <= 0:
+        return generate.scaled(cpu_share), nodes, 1.0
+    share = min(1.0, max(0.1, 1.0 - (1.0 - cpu_share) / u_t))
+    slowed = 1.0 + u_r * (1.0 / share - 1.0)
+    return generate.scaled(cpu_share), {name: fit.scaled(1.0 / slowed) for name, fit in nodes.items()}, share
 
 
 def _tokens_per_row(trajectories: pa.Table | None, records: list[NodeRecord]) -> dict:
@@ -237,7 +305,7 @@ def _trainer_side(r: NodeRecord) -> bool:
     return step_role_of(r.kind) != "generates" and not r.worker.startswith("rollout[")
 
 
-def _step_gap(records: list[NodeRecord], mode: str) -> float:
+def _step_gap(records: list[NodeRecord], mode: str, waits: dict[int, float] | None = None) -> float:
     """Driver time between steps (see the module docstring)."""
     spans: dict[int, list[float]] = {}
     for r in records:
@@ -246,12 +314,15 @@ def _step_gap(records: list[NodeRecord], mode: str) -> float:
         lo, hi = spans.get(r.step, [np.inf, -np.inf])
         spans[r.step] = [min(lo, r.start_time), max(hi, r.start_time + r.duration_s)]
     steps = sorted(spans)
-    gaps = [max(0.0, spans[b][0] - spans[a][1]) for a, b in zip(steps, steps[1:]) if b == a + 1]
+    pairs = [(a, b) for a, b in zip(steps, steps[1:]) if b == a + 1]
+    async_unknown = mode != "sync" and not (waits and all(b in waits for _, b in pairs))
+    gaps = [max(0.0, spans[b][0] - spans[a][1] - (0.0 if mode == "sync" or async_unknown else waits[b]))
+            for a, b in pairs]
     if len(gaps) > 1:
         gaps = gaps[1:]  # the gap after the warm-up step holds its late work (figures, first records)
     if not gaps:
         return 0.0
-    return float(np.mean(gaps) if mode == "sync" else np.percentile(gaps, 10))
+    return float(np.percentile(gaps, 10) if async_unknown else np.mean(gaps))
 
 
 def _dispatch(records: list[NodeRecord], mode: str) -> dict[str, float]:

@@ -61,6 +61,11 @@ class CostFit(Strict):
         value = self.intercept_s + sum(c * features[name] for name, c in self.coef.items())
         return max(self.floor_s, value)
 
+    def scaled(self, factor: float) -> "CostFit":
+        """The same fit at ``factor`` times the cost (every term and the floor)."""
+        return self.model_copy(update={"intercept_s": self.intercept_s * factor, "floor_s": self.floor_s * factor,
+                                       "coef": {name: c * factor for name, c in self.coef.items()}})
+
     @classmethod
     def constant(cls, seconds: float) -> "CostFit":
         """A fixed cost (hand-built calibrations, nodes with one record)."""

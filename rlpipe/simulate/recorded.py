@@ -1,8 +1,9 @@
 """A recorded run read back from MLflow for ``rlpipe simulate``: its config, lineage and trajectory lineage.
 
 The same artifacts ``rlpipe lineage`` reads (:mod:`rlpipe.engine.tracking.runs`): the per-step
-``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories``
-and the run's ``resolved_config.json`` — the validated config the run was started with, which
+``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories``,
+an async run's per-step wait for its batch (the ``async/guard_wait_s`` metric) and its replicas' decode
+iterations (``rollout/decode_*``), and the run's ``resolved_config.json`` — the validated config the run was started with, which
 ``-o`` overrides change before they are validated again.
 """
 
@@ -13,6 +14,9 @@ from typing import Any
 from rlpipe.engine.tracking import explain, runs
 from rlpipe.engine.tracking.lineage import table_to_records
 from rlpipe.simulate.calibration import Recording
+
+WAIT_METRIC = "async/guard_wait_s"
+"""The async modes' per-step metric of the driver's wait for the step's batch (rlpipe.modes.async_common)."""
 
 
 def load_recording(run_ref: str, tracking_uri: str | None = None,
@@ -30,4 +34,15 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
     except runs.RunNotFoundError:  # a run stopped before its first step ended
         trajectories = None
     config = validate_config(raw, source=f"run {run_id}'s resolved_config.json")
-    return Recording(run_id, config, records, trajectories), raw
+    waits, decode = None, None
+    if config.mode != "sync":  # the driver's wait for each batch (taken out of the step gaps), the replicas' decode
+        from mlflow import MlflowClient
+
+        from rlpipe.modes.async_common import DECODE_SUMS
+
+        client = MlflowClient(uri)
+        waits = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, WAIT_METRIC)} or None
+        decode = {name: {int(m.step): float(m.value) for m in client.get_metric_history(run_id, name)}
+                  for name in DECODE_SUMS.values()}
+        decode = decode if all(decode.values()) else None
+    return Recording(run_id, config, records, trajectories, waits, decode), raw

@@ -14,8 +14,10 @@ for its environment (``ready_at``) without taking compute. A weight push pauses 
 iteration while the new weights load) and stamps later tokens with the new version; requests
 in flight keep their tokens (partial rollout), so one spans two versions.
 
-Left out: prefill cost per request (folded into the call overhead of sync calls); memory limits on
-the running batch (a real engine queues past its KV cache); re-prefill after a push.
+Where the replica shares cores with the trainer (:mod:`rlpipe.simulate.contention`), an iteration
+costs more while a trainer node runs. Left out: prefill cost per request (folded into the call
+overhead of sync calls); memory limits on the running batch (a real engine queues past its KV
+cache); re-prefill after a push.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlpipe.simulate.contention import Contention
 from rlpipe.simulate.kernel import Kernel
 
 _EPS = 1e-9  # progress is a float sum: requests finishing "together" differ by rounding
@@ -80,6 +83,8 @@ class Replica:
     _last: float = 0.0
     _turn: int = 0
     _seq: itertools.count = field(default_factory=itertools.count)
+    contention: Contention | None = None
+    """The cores it shares with the trainer's nodes (None: its own)."""
 
     def __post_init__(self):
         if not (self.per_step_s > 0 or self.per_token_s > 0):  # free iterations: the loop would never advance time
@@ -110,6 +115,7 @@ class Replica:
 
     def _start(self, request: Request) -> None:
         self._advance()
+        was = self.decoding
         request.version = self.version
         if request.tokens <= 0:  # nothing to decode: finished on arrival
             self._finish(request)
@@ -118,10 +124,30 @@ class Replica:
         request.finish_progress = self.progress + request.tokens
         heapq.heappush(self._running, (request.finish_progress, next(self._seq), request))
         self._schedule()
+        self._decoding_may_change(was)
 
     # -- the loop --------------------------------------------------------------------------------
     def _iteration_s(self) -> float:
-        return self.per_step_s + self.per_token_s * len(self._running)
+        cost = self.per_step_s + self.per_token_s * len(self._running)
+        return cost / self.contention.rate if self.contention is not None else cost
+
+    @property
+    def decoding(self) -> bool:
+        """Requests are decoding now (running, not paused)."""
+        return bool(self._running) and not self._paused
+
+    def advance(self) -> None:
+        """Bring the loop's progress to now (before its iteration cost changes)."""
+        self._advance()
+
+    def reschedule(self) -> None:
+        """Plan the next completion at the current iteration cost."""
+        if self.decoding:
+            self._schedule()
+
+    def _decoding_may_change(self, was: bool) -> None:
+        if self.contention is not None and was != self.decoding:
+            self.contention.replica_changed()
 
     def _advance(self) -> None:
         """Move ``progress`` to now (the iterations decoded since the last event)."""
@@ -148,11 +174,13 @@ class Replica:
         if turn != self._turn:  # superseded by a later arrival, pause or completion
             return
         self._advance()
+        was = self.decoding
         while self._running and self._running[0][0] <= self.progress + _EPS:
             _, _, request = heapq.heappop(self._running)
             self.progress = max(self.progress, request.finish_progress)
             self._finish(request)
         self._schedule()
+        self._decoding_may_change(was)
 
     def _finish(self, request: Request) -> None:
         group = request.group
@@ -167,16 +195,20 @@ class Replica:
     def pause(self) -> None:
         """Stop decoding (the engine is released, or loads weights); requests keep their progress."""
         self._advance()
+        was = self.decoding
         self._paused += 1
         self._turn += 1
+        self._decoding_may_change(was)
 
     def resume(self, version: int | None = None) -> None:
         """Decode again, on weights ``version`` when given (later tokens carry it)."""
         self._advance()
+        was = self.decoding
         self._paused = max(0, self._paused - 1)
         if version is not None:
             self.version = version
         self._schedule()
+        self._decoding_may_change(was)
 
     @property
     def paused(self) -> bool:

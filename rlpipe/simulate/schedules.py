@@ -280,8 +280,9 @@ def separate_async(run: SimRun) -> Generator:
                 yield feeders.refill
                 early = buf.sample(G, step + 1)
             run.end_step(step)
-            if early is None:
-                yield from run.gap()
+            # the driver's turnaround before the next step's training: with a batch sampled early, the replicas'
+            # reports and the sample itself; else the records, then the wait for a batch
+            yield from run.gap()
     finally:
         feeders.stopped = True
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlpipe.simulate.calibration import Calibration
+from rlpipe.simulate.contention import Contention
 from rlpipe.simulate.kernel import Kernel
 from rlpipe.simulate.replica import Group, Replica
 from rlpipe.simulate.setup import SimNode, SimSetup
@@ -36,13 +37,17 @@ class Worker:
         self._free = True
         self._queue: deque = deque()
 
-    def use(self, seconds: float) -> Generator:
+    def use(self, seconds: float, contention: Contention | None = None) -> Generator:
+        """Run ``seconds`` of work when free (slowed where ``contention`` says the cores are shared)."""
         while not self._free:
             turn = self.kernel.signal(f"{self.name} free")
             self._queue.append(turn)
             yield turn
         self._free = False
-        yield seconds
+        if contention is None:
+            yield seconds
+        else:
+            seconds = yield from contention.run(seconds)
         self.busy_s += seconds
         self._free = True
         if self._queue:
@@ -86,8 +91,11 @@ class SimRun:
         self.version = 0
         """The trainer's policy version (one more after every push)."""
         gen = calibration.generate
+        self.contention = Contention.from_share(self.kernel, calibration.overlap_share)
+        """The cores the trainer's nodes and the replicas share (rlpipe.simulate.contention)."""
         self.replicas = [Replica(self.kernel, i, gen.coef.get("decode_steps", 0.0), gen.coef.get("tokens", 0.0),
-                                 self._unrouted) for i in range(setup.replicas)]
+                                 self._unrouted, contention=self.contention) for i in range(setup.replicas)]
+        self.contention.replicas = self.replicas
         self.workers: dict[str, Worker] = {}
         self.stats = Stats()
         self.failure: str | None = None
@@ -198,9 +206,9 @@ class SimRun:
             if body is not None:
                 self.kernel.process(body, f"{node.name} side effect")
         if node.resource is None:
-            yield seconds
+            yield from self.contention.run(seconds)
         else:
-            yield from self.worker(node.resource).use(seconds)
+            yield from self.worker(node.resource).use(seconds, self.contention)
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def consume(self, step: int, groups: list[Group]) -> None:
