@@ -42,6 +42,11 @@ from rlpipe.schemas.config import PipelineConfig
 
 log = logging.getLogger(__name__)
 
+STEP_END_METRIC = "timing/step_end_s"
+"""A step metric: the driver's seconds on the step's records (node records, headline, sampled trajectories,
+trajectory lineage) before it hands them to the tracking process."""
+
+
 @dataclass
 class RunResult:
     """What a finished run leaves behind."""
@@ -94,13 +99,18 @@ class Runtime:
         """Headline metrics, sampled trajectories, periodic model saves. The step's node records come first: a
         mode that started the next step's run before ending this one left them pending (executor.finish), and they
         are written while that run's first call works."""
+        began = time.perf_counter()
         self.executor.write_backlog()
         headline = {**metrics, **self._reward_headline(step, table)}
         headline["step"] = step
         headline["policy_version"] = self.executor.policy_version
         sample = self._sample(table)
         replicas = self.executor.replica_of
-        self.observer.on_step_end(step, headline, sample, trajectory_lineage(table, step, replicas))
+        lineage = trajectory_lineage(table, step, replicas)
+        # the driver's own work on the step's records before the tracking process takes them (rlpipe simulate
+        # charges it between a sync run's steps when it calibrates on an async run, whose steps overlap it)
+        headline[STEP_END_METRIC] = time.perf_counter() - began
+        self.observer.on_step_end(step, headline, sample, lineage)
         if UID in table.column_names:
             for uid in pc.unique(table.column(UID)).to_pylist():
                 replicas.pop(uid, None)

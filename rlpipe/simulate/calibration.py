@@ -20,9 +20,10 @@ versions) is turned into the costs the event model needs:
 * **the gap between steps**: the driver's own time between one step's last node and the next
   one's first (writing records, drawing prompts; in an async run also the buffer's sample and the
   replicas' reports): the mean, in an async run after taking out the step's recorded wait for its
-  batch (``async/guard_wait_s``; without it the 10th percentile of the gaps); and **between nodes**, per
-  node, the mean time from the end of the execution before it to its start (the executor's work
-  between calls);
+  batch (``async/guard_wait_s``; without it the 10th percentile of the gaps) — a sync run's, simulated from an
+  async recording, is the driver's recorded time on a step's records (``timing/step_end_s``); and
+  **between nodes**, per node, the mean time from the end of the execution before it to its start (the
+  executor's work between calls);
 * **what was measured** (:class:`Measured`), to print next to a prediction of the same config.
 
 The first step recorded is left out of every fit (warm-up: caches, lazy imports) when there
@@ -66,6 +67,9 @@ class Recording:
     decode_sums: dict[str, dict[int, float]] | None = None
     """An async run's ``rollout/decode_*`` metrics (rlpipe.modes.async_common.DECODE_SUMS) per step: its replicas'
     decode iterations (None: not recorded)."""
+    step_end_s: dict[int, float] | None = None
+    """An async run's ``timing/step_end_s`` per step: the driver's own work on the step's records (None: not
+    recorded, or a sync run, whose step gaps hold it)."""
 
 
 class Measured(Strict):
@@ -118,6 +122,10 @@ class Calibration(Strict):
     """The recorded generate stage's env_latency_s (its generate calls' durations hold part of that wait)."""
     step_gap_s: float = Field(0.0, ge=0)
     """Driver time between steps (see the module docstring)."""
+    sync_gap_s: float = Field(0.0, ge=0)
+    """Driver time between a sync run's steps: the step gap of a sync recording; from an async one, whose steps'
+    records overlap the next step's training, the driver's recorded time on them (``timing/step_end_s``), else its
+    step gap."""
     overlapped: list[tuple[str, str]] = Field(default_factory=list)
     """Pairs of nodes that ran at the same time in most recorded steps (the executor's concurrent branches);
     every other node waits for the one before it, as the executor runs them."""
@@ -175,7 +183,8 @@ def calibrate(recording: Recording) -> Calibration:
         nodes=nodes, workers=workers, generate=generate, generate_source=source, group_lengths=lengths,
         length_cap=cap, env_latency_s=float((gen.params if gen else {}).get("env_latency_s", 0.0) or 0.0),
         truncated_share=float(np.mean(np.array(flat) >= cap)) if flat else 0.0,
-        step_gap_s=_step_gap(records, config.mode, recording.trainer_waits), dispatch_s=_dispatch(fitted, config.mode),
+        step_gap_s=(gap := _step_gap(records, config.mode, recording.trainer_waits)),
+        sync_gap_s=_sync_gap(gap, recording.step_end_s, warmup, config.mode), dispatch_s=_dispatch(fitted, config.mode),
         overlapped=_overlapped(fitted), overlap_share=share, measured=measured,
     )
 
@@ -323,6 +332,12 @@ def _step_gap(records: list[NodeRecord], mode: str, waits: dict[int, float] | No
     if not gaps:
         return 0.0
     return float(np.percentile(gaps, 10) if async_unknown else np.mean(gaps))
+
+
+def _sync_gap(gap: float, step_ends: dict[int, float] | None, warmup: list[int], mode: str) -> float:
+    """Driver time between a sync run's steps (Calibration.sync_gap_s)."""
+    ends = [v for step, v in (step_ends or {}).items() if step not in warmup]
+    return float(np.mean(ends)) if mode != "sync" and ends else gap
 
 
 def _dispatch(records: list[NodeRecord], mode: str) -> dict[str, float]:

@@ -189,9 +189,17 @@ def _notes(setup: SimSetup, cal: Calibration, run: SimRun) -> list[str]:
     if cal.env_latency_s and cal.generate_source == "calls":
         notes.append("the recording waited for environments (env_latency_s): its generate calls' fitted costs hold "
                      "part of that wait, which the simulation draws again, so generation is predicted slow")
-    if cal.generate_source != "calls":
-        notes.append(f"generation costs from {cal.generate_source} (the recording is {cal.recorded_mode}: no whole "
-                     "generate calls); a sync recording calibrates them best")
+    if cal.generate_source == "throughput":
+        notes.append(f"generation costs from a throughput (the recording is {cal.recorded_mode}, its engine recorded "
+                     "no decode iterations): no per-step part, so a long tail's latency is predicted short")
+    if cal.overlap_share < 1:
+        notes.append(f"shared cores: while the trainer's nodes and a replica both computed, each ran at "
+                     f"{cal.overlap_share:.0%} of its own speed in the recording; the model shares "
+                     f"{2 * cal.overlap_share:.2f} cores among whatever computes")
+    elif cal.recorded_mode == "sync" and setup.mode != "sync":
+        notes.append("a sync recording does not show how the trainer and the replicas slow each other where they "
+                     "share cores (they never overlap in it): each runs at its own speed; record an async run to "
+                     "calibrate that")
     gen = cal.generate
     if gen.carrier is not None and cal.generate_source == "calls":
         what = {"tokens": "per token", "decode_steps": "per decode step"}.get(gen.carrier, f"per {gen.carrier}")

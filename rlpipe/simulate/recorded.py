@@ -2,8 +2,8 @@
 
 The same artifacts ``rlpipe lineage`` reads (:mod:`rlpipe.engine.tracking.runs`): the per-step
 ``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories``,
-an async run's per-step wait for its batch (the ``async/guard_wait_s`` metric) and its replicas' decode
-iterations (``rollout/decode_*``), and the run's ``resolved_config.json`` — the validated config the run was started with, which
+an async run's per-step wait for its batch (the ``async/guard_wait_s`` metric), its replicas' decode
+iterations (``rollout/decode_*``) and the driver's records of each step (``timing/step_end_s``), and the run's ``resolved_config.json`` — the validated config the run was started with, which
 ``-o`` overrides change before they are validated again.
 """
 
@@ -34,15 +34,17 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
     except runs.RunNotFoundError:  # a run stopped before its first step ended
         trajectories = None
     config = validate_config(raw, source=f"run {run_id}'s resolved_config.json")
-    waits, decode = None, None
+    waits, decode, step_ends = None, None, None
     if config.mode != "sync":  # the driver's wait for each batch (taken out of the step gaps), the replicas' decode
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # iterations, the driver's own records of each step
 
+        from rlpipe.engine.runtime import STEP_END_METRIC
         from rlpipe.modes.async_common import DECODE_SUMS
 
         client = MlflowClient(uri)
         waits = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, WAIT_METRIC)} or None
+        step_ends = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, STEP_END_METRIC)} or None
         decode = {name: {int(m.step): float(m.value) for m in client.get_metric_history(run_id, name)}
                   for name in DECODE_SUMS.values()}
         decode = decode if all(decode.values()) else None
-    return Recording(run_id, config, records, trajectories, waits, decode), raw
+    return Recording(run_id, config, records, trajectories, waits, decode, step_ends), raw

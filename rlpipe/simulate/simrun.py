@@ -233,5 +233,6 @@ class SimRun:
         return self.failure is not None
 
     def gap(self) -> Generator:
-        """The driver's time between steps (writing records, drawing prompts)."""
-        yield from self.worker("driver").use(self.cal.step_gap_s)
+        """The driver's time between steps (writing records, drawing prompts; an async mode's turnaround)."""
+        seconds = self.cal.sync_gap_s if self.setup.mode == "sync" else self.cal.step_gap_s
+        yield from self.worker("driver").use(seconds)

@@ -61,6 +61,7 @@ def test_every_local_update_counts_in_the_schedule(tmp_path):
     assert [rec.metrics[s]["actor/local_updates"] for s in (0, 1)] == [4.0, 8.0]
     # one push per global step, whatever the number of local updates
     assert [rec.metrics[s]["policy_version"] for s in (0, 1)] == [1, 2]
+    assert all(rec.metrics[s]["timing/step_end_s"] > 0 for s in (0, 1))  # the driver's own records of the step
 
 
 def test_a_staleness_guard_in_sync_checks_the_sync_bound(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 
 from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.modes.async_common import DECODE_SUMS
-from rlpipe.simulate.calibration import Measured, _fit_iterations, _intrinsic, _step_gap
+from rlpipe.simulate.calibration import Measured, _fit_iterations, _intrinsic, _step_gap, _sync_gap
 from rlpipe.simulate.fit import CostFit
 
 
@@ -74,3 +74,11 @@ def test_an_async_step_gap_is_the_driver_s_turnaround_without_its_wait_for_a_bat
     waits = {1: 0.4, 2: 0.0, 3: 0.2, 4: 0.0}
     assert _step_gap(records, "separate_async", waits) == pytest.approx((0.1 + 0.1 + 0.12) / 3)
     assert _step_gap(records, "separate_async", None) == pytest.approx(np.percentile([0.1, 0.3, 0.12], 10))
+
+
+def test_a_sync_run_simulated_from_an_async_one_charges_the_driver_s_records_between_steps():
+    """An async run's steps overlap the driver's records of the previous one; a sync run waits for them: its gap is
+    their recorded time (warm-up left out), a sync recording's its own gap."""
+    assert _sync_gap(0.04, {0: 0.9, 1: 0.004, 2: 0.006}, [0], "separate_async") == pytest.approx(0.005)
+    assert _sync_gap(0.04, None, [0], "separate_async") == 0.04
+    assert _sync_gap(0.005, {1: 0.5}, [0], "sync") == 0.005
