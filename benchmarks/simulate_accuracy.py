@@ -3,6 +3,7 @@ run them for real, compare.
 
 Run: .venv/bin/python benchmarks/simulate_accuracy.py [--workload lengths|quickstart] [--steps 20] [--inline]
      [--record CONFIG]   (calibrate on that configuration's run instead of sync's)
+     [--repeats 2]       (real runs of each configuration, interleaved; the table gives their mean and range)
 Writes benchmarks/results/simulate_accuracy[_<workload>].json and prints a Markdown table (for docs/simulate.md).
 
 Workloads: ``lengths`` is benchmarks/async_modes.py's compute-bound long tail (Pareto response lengths
@@ -14,7 +15,9 @@ so predicted and measured figures mean the same thing. The goals of issue 26: wi
 and ±0.5 in mean staleness. Each configuration is the recorded config changed by the overrides in
 CONFIGS, exactly as ``rlpipe simulate -o`` changes it (a staleness guard added for the async modes).
 Needs a quiet machine: the model runs each worker at its recorded speed, so a busy machine's slow
-spells land in the measurement, not in the prediction.
+spells land in the measurement, not in the prediction. A short untracked run of the recorded configuration
+goes first: the first run in a process measured up to 1.8× slower than the same configuration later (the
+quickstart's separate_async, 94 against 52 ms a step), which would have made the calibration a slow spell's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -80,6 +85,7 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS to compare")
     parser.add_argument("--record", default="sync", choices=sorted(CONFIGS),
                         help="the configuration whose run calibrates the model (default sync)")
+    parser.add_argument("--repeats", type=int, default=2, help="real runs of each configuration (interleaved)")
     args = parser.parse_args()
     from rlpipe.simulate import simulate
     from rlpipe.simulate.calibration import calibrate
@@ -91,26 +97,38 @@ def main() -> None:
     base_raw = recorded_raw(args.workload, args.steps, uri, f"{tmp}/outputs")
     base_raw, _ = simulated_raw(base_raw, CONFIGS[args.record])
     started = time.time()
+    warmup = {**base_raw, "tracking": {"enabled": False}, "name": "simacc-warmup"}
+    warmup["trainer"] = {**base_raw["trainer"], "total_steps": 4}
+    run(warmup, args.inline)
     recording, raw = load_recording(run(base_raw, args.inline), uri)
     calibration = calibrate(recording)
-    rows = {}
-    for name in args.configs.split(","):
-        overrides = CONFIGS[name]
-        predicted = simulate(recording, raw, overrides, steps=args.steps, calibration=calibration).prediction
-        real_raw, _ = simulated_raw(raw, overrides)
-        real_raw["name"] = f"simacc-{args.workload}-{name.replace(' ', '').replace(',', '-').replace('=', '')}"
-        measured = calibrate(load_recording(run(real_raw, args.inline), uri)[0]).measured
-        rows[name] = {"overrides": overrides, "predicted": predicted.model_dump(mode="json"),
-                      "measured": measured.model_dump(mode="json")}
-        print(f"{name}: predicted {predicted.samples_per_s:.1f} samples/s, staleness {predicted.mean_staleness:.2f}; "
-              f"measured {measured.samples_per_s or float('nan'):.1f}, {measured.mean_staleness or float('nan'):.2f}",
-              flush=True)
+    names = args.configs.split(",")
+    rows = {name: {"overrides": CONFIGS[name], "measured_runs": []} for name in names}
+    for name in names:
+        rows[name]["predicted"] = simulate(recording, raw, CONFIGS[name], steps=args.steps,
+                                           calibration=calibration).prediction.model_dump(mode="json")
+    for repeat in range(args.repeats):
+        for name in names:
+            real_raw, _ = simulated_raw(raw, CONFIGS[name])
+            real_raw["name"] = f"simacc-{args.workload}-{name.replace(' ', '').replace(',', '-').replace('=', '')}"
+            measured = calibrate(load_recording(run(real_raw, args.inline), uri)[0]).measured
+            rows[name]["measured_runs"].append(measured.model_dump(mode="json"))
+            print(f"{name} (run {repeat + 1}): predicted {rows[name]['predicted']['samples_per_s']:.1f} samples/s; "
+                  f"measured {measured.samples_per_s or float('nan'):.1f}, staleness "
+                  f"{measured.mean_staleness or float('nan'):.2f}", flush=True)
+    for row in rows.values():
+        runs = row["measured_runs"]
+        row["measured"] = {key: (float(np.mean([r[key] for r in runs])) if all(r[key] is not None for r in runs)
+                                 else None) for key in ("samples_per_s", "mean_staleness")}
+        rates = [r["samples_per_s"] for r in runs if r["samples_per_s"] is not None]
+        row["measured"]["samples_per_s_range"] = [min(rates), max(rates)] if rates else None
     import ray
 
     ray.shutdown()
     summary = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "workload": args.workload,
                "recorded_config": args.record,
-               "steps": args.steps, "inline": args.inline, "recorded_run": recording.run_id,
+               "steps": args.steps, "repeats": args.repeats, "inline": args.inline, "recorded_run": recording.run_id,
+               "recorded_measured": calibration.measured.model_dump(mode="json"),
                "wall_s": time.time() - started, "results": rows}
     suffix = ("" if args.workload == "lengths" else f"_{args.workload}") + (
         "" if args.record == "sync" else "_recorded_" + args.record.replace(" ", "_").replace("=", ""))
@@ -118,14 +136,17 @@ def main() -> None:
         (ROOT / f"benchmarks/results/simulate_accuracy{suffix}.json").write_text(json.dumps(summary, indent=2))
     print(f"\ncalibrated on one {args.record} run of {args.steps} steps ({args.workload}); measured = each config run "
           "for real")
-    print("| configuration | samples/s predicted | measured | error | mean staleness predicted | measured | diff |")
+    print(f"the recorded run measured {calibration.measured.samples_per_s or float('nan'):.1f} samples/s")
+    print("| configuration | samples/s predicted | measured (mean, range) | error | mean staleness predicted | "
+          "measured | diff |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         p, m = r["predicted"], r["measured"]
         err = (p["samples_per_s"] / m["samples_per_s"] - 1) if m["samples_per_s"] else float("nan")
         diff = (p["mean_staleness"] - m["mean_staleness"]) if m["mean_staleness"] is not None else float("nan")
-        print(f"| {name} | {p['samples_per_s']:.1f} | {m['samples_per_s'] or float('nan'):.1f} | {err:+.0%} | "
-              f"{p['mean_staleness']:.2f} | {m['mean_staleness'] or float('nan'):.2f} | {diff:+.2f} |")
+        lo, hi = m["samples_per_s_range"] or (float("nan"), float("nan"))
+        print(f"| {name} | {p['samples_per_s']:.1f} | {m['samples_per_s'] or float('nan'):.1f} ({lo:.0f}–{hi:.0f}) | "
+              f"{err:+.0%} | {p['mean_staleness']:.2f} | {m['mean_staleness'] or float('nan'):.2f} | {diff:+.2f} |")
 
 
 if __name__ == "__main__":
