@@ -174,18 +174,20 @@ def calibrate(recording: Recording) -> Calibration:
     generate, source = _fit_generate(fitted or records, replicas, per_row)
     measured = measure(recording, warmup)
     share = 1.0
-    iterations = _fit_iterations(recording.decode_sums, warmup) if recording.decode_sums and source != "calls" else None
-    if iterations is not None:
-        generate, source, cpu_share, decode_s = iterations
-        generate, nodes, share = _intrinsic(generate, nodes, cpu_share, decode_s, fitted, measured, replicas)
+    if recording.decode_sums and source != "calls":  # an async run: its replicas' own decode iterations
+        iterations = _fit_iterations(recording.decode_sums, warmup)
+        if iterations is not None:
+            generate, source, cpu_share, decode_s = iterations
+            generate, nodes, share = _intrinsic(generate, nodes, cpu_share, decode_s, fitted, measured, replicas)
+    gap = _step_gap(records, config.mode, recording.trainer_waits)
     return Calibration(
         run_id=recording.run_id, recorded_mode=config.mode, recorded_replicas=replicas, warmup_steps=warmup,
         nodes=nodes, workers=workers, generate=generate, generate_source=source, group_lengths=lengths,
         length_cap=cap, env_latency_s=float((gen.params if gen else {}).get("env_latency_s", 0.0) or 0.0),
         truncated_share=float(np.mean(np.array(flat) >= cap)) if flat else 0.0,
-        step_gap_s=(gap := _step_gap(records, config.mode, recording.trainer_waits)),
-        sync_gap_s=_sync_gap(gap, recording.step_end_s, warmup, config.mode), dispatch_s=_dispatch(fitted, config.mode),
-        overlapped=_overlapped(fitted), overlap_share=share, measured=measured,
+        step_gap_s=gap, sync_gap_s=_sync_gap(gap, recording.step_end_s, warmup, config.mode),
+        dispatch_s=_dispatch(fitted, config.mode), overlapped=_overlapped(fitted), overlap_share=share,
+        measured=measured,
     )
 
 

@@ -1,10 +1,11 @@
 """A recorded run read back from MLflow for ``rlpipe simulate``: its config, lineage and trajectory lineage.
 
 The same artifacts ``rlpipe lineage`` reads (:mod:`rlpipe.engine.tracking.runs`): the per-step
-``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories``,
-an async run's per-step wait for its batch (the ``async/guard_wait_s`` metric), its replicas' decode
-iterations (``rollout/decode_*``) and the driver's records of each step (``timing/step_end_s``), and the run's ``resolved_config.json`` — the validated config the run was started with, which
-``-o`` overrides change before they are validated again.
+``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories`` and the
+run's ``resolved_config.json`` — the validated config the run was started with, which ``-o``
+overrides change before they are validated again; and of an async run three step metrics: the wait
+for its batch (``async/guard_wait_s``), its replicas' decode iterations (``rollout/decode_*``) and
+the driver's records of each step (``timing/step_end_s``).
 """
 
 from __future__ import annotations

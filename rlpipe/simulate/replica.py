@@ -15,7 +15,7 @@ iteration while the new weights load) and stamps later tokens with the new versi
 in flight keep their tokens (partial rollout), so one spans two versions.
 
 Where the replica shares cores with the trainer (:mod:`rlpipe.simulate.contention`), an iteration
-costs more while a trainer node runs. Left out: prefill cost per request (folded into the call
+costs more while others compute. Left out: prefill cost per request (folded into the call
 overhead of sync calls); memory limits on the running batch (a real engine queues past its KV
 cache); re-prefill after a push.
 """
