@@ -125,6 +125,9 @@ def check_progress(config, plan) -> None:
 WORKER_ROLES.add("sampler", RoleSpec(build_sampler, sharded=False, size=lambda c: 1, max_concurrency=64))
 
 
+WAIT_METRIC = "async/guard_wait_s"
+"""The step metric of the driver's wait for the step's batch (``rlpipe simulate`` takes it out of the step gaps)."""
+
 DECODE_SUMS = {key: f"rollout/{key}" for key in ("decode_steps", "decode_tokens", "decode_s", "decode_tokens_sq",
                                                  "decode_token_s", "decode_cpu_s")}
 """An in-process engine's service stat → the step metric of its sum over the replicas during the step: decode
@@ -246,7 +249,7 @@ class AsyncMode(Mode):
         train_s = time.time() - start
         metrics.update(rt.workers.resolve(sampler_metrics)[0])
         metrics.update(rollout_metrics())
-        metrics["async/guard_wait_s"] = wait_s
+        metrics[WAIT_METRIC] = wait_s
         metrics["async/trainer_idle_fraction"] = max(wait_s - lent_s, 0.0) / max(wait_s + train_s, 1e-9)
         if self.evaluation is not None:  # the push is done: an evaluation starts on these weights when due
             if self.evaluation.evaluator.due_after(step):

@@ -16,9 +16,6 @@ from rlpipe.engine.tracking import explain, runs
 from rlpipe.engine.tracking.lineage import table_to_records
 from rlpipe.simulate.calibration import Recording
 
-WAIT_METRIC = "async/guard_wait_s"
-"""The async modes' per-step metric of the driver's wait for the step's batch (rlpipe.modes.async_common)."""
-
 
 def load_recording(run_ref: str, tracking_uri: str | None = None,
                    experiment: str | None = None) -> tuple[Recording, dict[str, Any]]:
@@ -40,12 +37,14 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
         from mlflow import MlflowClient  # iterations, the driver's own records of each step
 
         from rlpipe.engine.runtime import STEP_END_METRIC
-        from rlpipe.modes.async_common import DECODE_SUMS
+        from rlpipe.modes.async_common import DECODE_SUMS, WAIT_METRIC
 
         client = MlflowClient(uri)
-        waits = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, WAIT_METRIC)} or None
-        step_ends = {int(m.step): float(m.value) for m in client.get_metric_history(run_id, STEP_END_METRIC)} or None
-        decode = {name: {int(m.step): float(m.value) for m in client.get_metric_history(run_id, name)}
-                  for name in DECODE_SUMS.values()}
+
+        def history(name: str) -> dict[int, float]:
+            return {int(m.step): float(m.value) for m in client.get_metric_history(run_id, name)}
+
+        waits, step_ends = history(WAIT_METRIC) or None, history(STEP_END_METRIC) or None
+        decode = {name: history(name) for name in DECODE_SUMS.values()}
         decode = decode if all(decode.values()) else None
     return Recording(run_id, config, records, trajectories, waits, decode, step_ends), raw

@@ -133,7 +133,7 @@ class RolloutService:
                 # each running request samples one token per step; waiting ones take none
                 running = self.engine.num_running() - self.engine.num_waiting()
                 self._enter("busy")
-            began, began_cpu = time.perf_counter(), time.thread_time()
+            clock = (time.perf_counter(), time.thread_time()) if self._iterations is not None else None
             try:
                 results = self.engine.step()
             except BaseException as exc:  # noqa: BLE001 - surfaced to every caller, never swallowed
@@ -143,14 +143,14 @@ class RolloutService:
                     self._enter("idle")
                     self._cond.notify_all()
                 return
-            took, took_cpu = time.perf_counter() - began, time.thread_time() - began_cpu
+            spent = (time.perf_counter() - clock[0], time.thread_time() - clock[1]) if clock is not None else None
             with self._cond:
                 self._stepping = False
                 self._enter("paused" if self._paused else "idle")
                 self._counts["steps"] += 1
                 self._counts["tokens_generated"] += running
-                if self._iterations is not None:
-                    self._count_iteration(running, took, took_cpu)
+                if spent is not None:
+                    self._count_iteration(running, *spent)
                 self._file(results)
                 self._cond.notify_all()
 
