@@ -16,12 +16,13 @@ import dataclasses
 import logging
 import traceback
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 
 from rlpipe.deadline import call_with_deadline
+from rlpipe.engine.thread_clock import ThreadClock
 from rlpipe.errors import StageError
 from rlpipe.plugin_files import import_plugin_files
 from rlpipe.registry import load_plugins
@@ -150,6 +151,10 @@ class ChainStep:
     deferred: list[tuple[list[Any], str, list[Any]]] = dataclasses.field(default_factory=list)
     """A driver stage's deferred worker calls (``ctx.workers.defer``) and who answers each: the driver settles them,
     as if deferred there."""
+    cpu_s: float | None = None
+    """CPU seconds of the thread that ran the stage (None: it failed)."""
+    run_queue_s: float | None = None
+    """Seconds that thread was runnable but waited for a core (rlpipe.engine.thread_clock; None: not reported)."""
 
 
 def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: str,
@@ -169,14 +174,22 @@ def run_chain(stages: list[ChainedStage], batch: pa.Table, ctxs: list, where: st
             ctx = dataclasses.replace(ctx, workers=workers)
         try:
             state = (states or {}).get(stage.role) if stage.role else None
-            result = call_with_deadline(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state),
-                                        stage.timeout_s, where)
+            result, (cpu_s, wait_s) = call_with_deadline(
+                lambda: _clocked(lambda: run_stage(stage.kind, stage.impl, stage.params, batch, ctx, state)),
+                stage.timeout_s, where)
             batch = apply_result(stage, batch, result)
         except Exception as exc:  # noqa: BLE001 - handed to the driver, which records and raises it for its node
             steps.append(ChainStep(None, exc, start, time.time() - start, _deferred(stage, workers)))
             return steps, None
-        steps.append(ChainStep(result, None, start, time.time() - start, _deferred(stage, workers)))
+        steps.append(ChainStep(result, None, start, time.time() - start, _deferred(stage, workers), cpu_s, wait_s))
     return steps, batch
+
+
+def _clocked(fn: Callable[[], Any]) -> tuple[Any, tuple[float, float | None]]:
+    """``fn()`` and its thread's clocks over the call (rlpipe.engine.thread_clock), read on the thread that runs it."""
+    began = ThreadClock.now()
+    value = fn()
+    return value, began.since()
 
 
 def _deferred(stage: ChainedStage, workers: Any) -> list[tuple[list[Any], str, list[Any]]]:

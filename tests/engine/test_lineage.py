@@ -185,8 +185,11 @@ def test_records_round_trip_through_the_lineage_table():
     records = [record(s, n) for s in (0, 1) for n in ("generate", "reward", "update")]
     records[0].input_fingerprint = ""  # source node
     records[1].policy_versions = []
+    records[2].cpu_s = 0.25
     table = records_to_table(records)
     assert table.schema == LINEAGE_SCHEMA
     assert table.num_rows == 6
     assert table.column("node").to_pylist() == ["generate", "reward", "update"] * 2
     assert table_to_records(table) == records
+    older = table.drop_columns(["cpu_s"])  # a run recorded before the field: read back as not measured
+    assert [r.cpu_s for r in table_to_records(older)] == [None] * 6

@@ -58,6 +58,9 @@ def test_separate_workers_handing_batches_on_compute_what_the_in_process_run_com
     for key, record in records.items():  # the driver rebuilt every node's input and output: the same lineage
         assert (record.input_fingerprint, record.output_fingerprint) == (
             in_process[key].input_fingerprint, in_process[key].output_fingerprint), key
+    update = records[(steps - 1, "update")]  # its clocks, read in the trainer's worker on the stage's thread
+    assert 0 < update.cpu_s <= update.duration_s and update.run_queue_s is not None
+    assert update.cpu_s + update.run_queue_s <= update.duration_s + 1e-3
     for step in range(steps):  # each role's nodes ran in its own worker's call, the task nodes with them
         assert records[(step, "generate")].worker.startswith("rollout×1@")
         assert records[(step, "reward")].worker.startswith("task in rollout×1@")

@@ -108,14 +108,16 @@ class StepRecords:
     def record(self, step: int, node: PlannedNode, table_in: pa.Table | None, table_out: pa.Table, start: float,
                duration: float, metrics: dict[str, float], input_fp: str | LazyFingerprint | None = None,
                where: str | None = None, output_fp: LazyFingerprint | None = None,
-               trainer_version: int | None = None) -> str:
+               trainer_version: int | None = None, clocks: tuple[float | None, float | None] = (None, None)) -> str:
         """Hand a lineage record of one node execution to the observer; returns the output fingerprint.
         ``where``: where it ran, when not where its placement says (a task node fused into a worker's call);
-        ``trainer_version``: the trainer's version when it ran (default: now).
+        ``trainer_version``: the trainer's version when it ran (default: now); ``clocks``: its stage thread's CPU
+        and run-queue seconds, where measured (NodeRecord.cpu_s, run_queue_s).
 
         Modes call this directly for work done outside ``run`` (e.g. continuous generation)."""
         fields = execution_fields(table_in, table_out, start, duration, metrics, input_fp, output_fp)
-        self.record_external(step, node, worker=where, trainer_version=trainer_version, **fields)
+        self.record_external(step, node, worker=where, trainer_version=trainer_version, cpu_s=clocks[0],
+                             run_queue_s=clocks[1], **fields)
         return fields["output_fingerprint"]
 
     def _record_input(self, step: int, node: PlannedNode, table: pa.Table, ctx: StageContext) -> None:
@@ -148,10 +150,11 @@ class StepRecords:
     def record_external(self, step: int, node: PlannedNode, *, input_fingerprint: str, output_fingerprint: str,
                         rows_in: int, rows_out: int, policy_versions: list[int], start_time: float,
                         duration_s: float, metrics: dict[str, float], worker: str | None = None,
-                        error: str = "", trainer_version: int | None = None) -> None:
+                        error: str = "", trainer_version: int | None = None, cpu_s: float | None = None,
+                        run_queue_s: float | None = None) -> None:
         """Hand the observer a node execution that another process ran and fingerprinted
         (separate_async's rollout replicas score their own groups). ``trainer_version``: the trainer's
-        version when it ran (default: now)."""
+        version when it ran (default: now); ``cpu_s``, ``run_queue_s``: its stage thread's clocks, where measured."""
         self.observer.on_node_end(NodeRecord(
             run_id=self.run_id, step=step, node=node.name, kind=node.kind, impl=node.impl,
             params=node.params_dict, params_hash=node.params_hash, code_hash=node.spec.code_hash,
@@ -159,7 +162,8 @@ class StepRecords:
             rows_in=rows_in, rows_out=rows_out, policy_versions=policy_versions,
             trainer_version=self.policy_version if trainer_version is None else trainer_version,
             start_time=start_time, duration_s=duration_s, metrics=dict(metrics),
-            worker=worker if worker is not None else self.where(node), error=error,
+            worker=worker if worker is not None else self.where(node), error=error, cpu_s=cpu_s,
+            run_queue_s=run_queue_s,
         ))
 
     def _record_chain(self, step: int, group: list[PlannedNode], ctxs: list[StageContext], steps: list[ChainStep],
@@ -192,13 +196,14 @@ class StepRecords:
                 self._fail(step, node, table, fp, done.start, exc)
             table, node_metrics, fp = self._finish(step, node, table, out, result, done.start, done.duration_s, fp,
                                                    f"{spec.placement} in {host}" if host and spec.placement != "worker"
-                                                   else None)
+                                                   else None, (done.cpu_s, done.run_queue_s))
             metrics.update(node_metrics)
         return table, metrics, fp
 
     def _finish(self, step: int, node: PlannedNode, table: pa.Table, out: pa.Table, result: StageResult, start: float,
                 duration: float, input_fp: str | LazyFingerprint,
-                where: str | None = None) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
+                where: str | None = None, clocks: tuple[float | None, float | None] = (None, None),
+                ) -> tuple[pa.Table, dict[str, float], LazyFingerprint]:
         if result.carry:
             self.carry[node.name] = dict(result.carry)
         if node.step_role == "pushes_weights":
@@ -213,7 +218,7 @@ class StepRecords:
         # what the record says is fixed now (the version it ran under, where); hashing and handing it over may wait
         trainer_version, worker = self.policy_version, where if where is not None else self.where(node)
         self._backlog.records.append(lambda: self.record(step, node, table, out, start, duration, result.metrics,
-                                                         input_fp, worker, out_fp, trainer_version))
+                                                         input_fp, worker, out_fp, trainer_version, clocks))
         if not self._records_overlap:
             self.write_backlog()
         return out, metrics, out_fp

@@ -319,6 +319,8 @@ LINEAGE_SCHEMA = pa.schema(
         pa.field("metrics", pa.string()),  # JSON object of float metrics
         pa.field("worker", pa.string()),
         pa.field("error", pa.string()),
+        pa.field("cpu_s", pa.float64()),
+        pa.field("run_queue_s", pa.float64()),
     ]
 )
 """Schema of the lineage table: the fields of NodeRecord, params and metrics as JSON text."""

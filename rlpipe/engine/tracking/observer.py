@@ -54,6 +54,13 @@ class NodeRecord:
     """Where it ran: ``task``, ``driver``, or the worker role with its replica count (``rollout×2``)."""
     error: str = ""
     """The error that ended this execution (empty when it succeeded)."""
+    cpu_s: float | None = None
+    """CPU seconds of the thread that ran the stage, where a worker's or a task's call measured it (None: not
+    measured: a node on several workers, a driver stage, a replica's collection)."""
+    run_queue_s: float | None = None
+    """Seconds that thread was ready to run but waited for a core (rlpipe.engine.thread_clock; None: not measured
+    or not reported): the part of ``duration_s`` other processes on its cores cost it (``rlpipe simulate``
+    calibrates a node's own cost on ``duration_s − run_queue_s``)."""
 
 
 class Observer(Protocol):
