@@ -132,11 +132,14 @@ class Calibration(Strict):
     dispatch_s: dict[str, float] = Field(default_factory=dict)
     """Per node: mean seconds between the end of the execution before it in its step and its start (the
     executor's own work between calls: lineage records, fingerprints, the next call's submission)."""
-    overlap_share: float = Field(1.0, gt=0, le=1)
-    """The share of its own speed the trainer's nodes and a replica's decode loop each get while both compute (they
-    share the cores; on a GPU cluster they do not: 1). Measured from an async recording's decode loop (its CPU
-    time over its wall time, and how much of the time the trainer computed); 1 from a sync recording, where they
-    never overlap. The fitted costs are each one's own, alone."""
+    rollout_share: float = Field(1.0, gt=0, le=1)
+    """The share of its own speed a replica's decode loop runs at in an async mode, beside the trainer and the
+    driver (rlpipe.simulate.contention): its iterations' CPU seconds over their wall seconds in an async recording;
+    1 from a sync recording (nothing measured it) and on a GPU cluster. The fitted generation cost is its own."""
+    trainer_share: float = Field(1.0, gt=0, le=1)
+    """The share of its own speed a trainer node runs at while a replica decodes: from an async recording's nodes,
+    their wall time less their threads' waits for a core (NodeRecord.run_queue_s) over their wall time, taken to
+    the part of their time a replica decoded; 1 from a sync recording. The fitted node costs are their own."""
     measured: Measured | None = None
     """What the recorded run did."""
 
@@ -162,23 +165,30 @@ def calibrate(recording: Recording) -> Calibration:
         workers.setdefault(r.node, r.worker)
     for r in records:  # nodes seen only in the warm-up step still say where they ran
         workers.setdefault(r.node, r.worker)
+    # an async recording whose nodes' clocks were read: each node's own time is its wall time less its waits for
+    # a core (what the replicas and the driver beside it cost it)
+    clocked = bool(recording.decode_sums) and all(r.run_queue_s is not None for recs in by_node.values() for r in recs)
     nodes = {}
     for name, recs in by_node.items():
         rows = np.array([float(r.rows_in or r.rows_out) for r in recs])
         tokens = rows * np.array([per_row.get(r.step, per_row.get(None, 0.0)) for r in recs])
-        nodes[name] = fit_cost([r.duration_s for r in recs], {"tokens": tokens, "rows": rows})
+        nodes[name] = fit_cost([_own_s(r) if clocked else r.duration_s for r in recs], {"tokens": tokens, "rows": rows})
     for name in {r.node for r in records if step_role_of(r.kind) != "generates"} - set(nodes):
         recs = [r for r in records if r.node == name]  # only in the warm-up step: its mean
         nodes[name] = CostFit.constant(float(np.mean([r.duration_s for r in recs])))
     replicas = config.resources.rollout_replicas
     generate, source = _fit_generate(fitted or records, replicas, per_row)
     measured = measure(recording, warmup)
-    share = 1.0
+    shares = (1.0, 1.0)
     if recording.decode_sums and source != "calls":  # an async run: its replicas' own decode iterations
         iterations = _fit_iterations(recording.decode_sums, warmup)
         if iterations is not None:
             generate, source, cpu_share, decode_s = iterations
-            generate, nodes, share = _intrinsic(generate, nodes, cpu_share, decode_s, fitted, measured, replicas)
+            busy = _decoding_share(decode_s, measured, replicas)
+            if clocked:
+                generate, shares = generate.scaled(cpu_share), (cpu_share, _trainer_share(fitted, busy))
+            else:
+                generate, nodes, shares = _intrinsic(generate, nodes, cpu_share, busy, fitted, measured)
     gap = _step_gap(records, config.mode, recording.trainer_waits)
     return Calibration(
         run_id=recording.run_id, recorded_mode=config.mode, recorded_replicas=replicas, warmup_steps=warmup,
@@ -186,7 +196,8 @@ def calibrate(recording: Recording) -> Calibration:
         length_cap=cap, env_latency_s=float((gen.params if gen else {}).get("env_latency_s", 0.0) or 0.0),
         truncated_share=float(np.mean(np.array(flat) >= cap)) if flat else 0.0,
         step_gap_s=gap, sync_gap_s=_sync_gap(gap, recording.step_end_s, warmup, config.mode),
-        dispatch_s=_dispatch(fitted, config.mode), overlapped=_overlapped(fitted), overlap_share=share,
+        dispatch_s=_dispatch(fitted, config.mode), overlapped=_overlapped(fitted),
+        rollout_share=shares[0], trainer_share=shares[1],
         measured=measured,
     )
 
@@ -242,28 +253,49 @@ def _fit_iterations(sums: dict[str, dict[int, float]], warmup: list[int]
     return fit, "iterations", min(1.0, max(1e-3, total["decode_cpu_s"] / t)), t
 
 
-def _intrinsic(generate: CostFit, nodes: dict[str, CostFit], cpu_share: float, decode_s: float,
-               fitted: list[NodeRecord], measured: "Measured", replicas: int
-               ) -> tuple[CostFit, dict[str, CostFit], float]:
-    """Each side's own costs, and the share of its speed each gets while both compute, from an async recording
-    where the trainer's nodes and the replicas' decode loops shared the cores part of the time.
+def _own_s(r: NodeRecord) -> float:
+    """A node execution's own time: its wall time less its thread's waits for a core."""
+    return max(0.0, r.duration_s - (r.run_queue_s or 0.0))
 
-    The decode loop got ``cpu_share`` of a core on average; taking all of the loss to the time the trainer
-    computed (a share ``u_t`` of the run), each got ``c = 1 − (1 − cpu_share) / u_t`` of its speed while both ran.
-    A decode iteration's own cost is its CPU time (the fit × ``cpu_share``); a trainer node ran beside decoding a
-    share ``u_r`` of its time (the replicas' decode seconds over the run's), so its own cost is its recorded one
-    over ``1 + u_r (1/c − 1)``."""
+
+def _decoding_share(decode_s: float, measured: "Measured", replicas: int) -> float:
+    """The share of the recorded span during which at least one replica decoded (each replica's decode seconds
+    over the span, taken as independent)."""
     if not measured.steps_per_s or not measured.steps:
-        return generate, nodes, 1.0
+        return 0.0
+    each = min(1.0, decode_s / (measured.steps / measured.steps_per_s) / replicas)
+    return 1.0 - (1.0 - each) ** replicas
+
+
+def _trainer_share(fitted: list[NodeRecord], decoding: float) -> float:
+    """The share of its own speed a trainer node had while a replica decoded: its own time over its wall time is
+    ``1 − f (1 − share)`` when a part ``f`` of it overlapped decoding (``f``: the share of the run a replica
+    decoded)."""
+    recs = [r for r in fitted if _trainer_side(r)]
+    wall = sum(r.duration_s for r in recs)
+    if wall <= 0 or decoding <= 0:
+        return 1.0
+    own = sum(_own_s(r) for r in recs) / wall
+    return min(1.0, max(0.1, 1.0 - (1.0 - own) / decoding))
+
+
+def _intrinsic(generate: CostFit, nodes: dict[str, CostFit], cpu_share: float, decoding: float,
+               fitted: list[NodeRecord], measured: "Measured"
+               ) -> tuple[CostFit, dict[str, CostFit], tuple[float, float]]:
+    """Each side's own costs and shares from an async recording whose nodes' clocks were not read (recorded before
+    NodeRecord.run_queue_s, or where the kernel does not report it): the decode loop got ``cpu_share`` of a core;
+    taking its whole loss to the time the trainer computed (a share ``u_t`` of the run), the trainer lost as much
+    while both ran: ``c = 1 − (1 − cpu_share) / u_t``, and a node, beside decoding a share ``decoding`` of its time,
+    took ``1 + decoding (1/c − 1)`` times its own."""
+    if not measured.steps_per_s or not measured.steps:
+        return generate, nodes, (1.0, 1.0)
     span = measured.steps / measured.steps_per_s
-    trainer_s = sum(r.duration_s for r in fitted if _trainer_side(r))
-    u_t = min(1.0, trainer_s / span)
-    u_r = min(1.0, decode_s / span / replicas)
+    u_t = min(1.0, sum(r.duration_s for r in fitted if _trainer_side(r)) / span)
     if u_t <= 0:
-        return generate.scaled(cpu_share), nodes, 1.0
+        return generate.scaled(cpu_share), nodes, (cpu_share, 1.0)
     share = min(1.0, max(0.1, 1.0 - (1.0 - cpu_share) / u_t))
-    slowed = 1.0 + u_r * (1.0 / share - 1.0)
-    return generate.scaled(cpu_share), {name: fit.scaled(1.0 / slowed) for name, fit in nodes.items()}, share
+    slowed = 1.0 + decoding * (1.0 / share - 1.0)
+    return generate.scaled(cpu_share), {name: fit.scaled(1.0 / slowed) for name, fit in nodes.items()}, (cpu_share, share)
 
 
 def _tokens_per_row(trajectories: pa.Table | None, records: list[NodeRecord]) -> dict:

@@ -192,10 +192,10 @@ def _notes(setup: SimSetup, cal: Calibration, run: SimRun) -> list[str]:
     if cal.generate_source == "throughput":
         notes.append(f"generation costs from a throughput (the recording is {cal.recorded_mode}, its engine recorded "
                      "no decode iterations): no per-step part, so a long tail's latency is predicted short")
-    if cal.overlap_share < 1:
-        notes.append(f"shared cores: while the trainer's nodes and a replica both computed, each ran at "
-                     f"{cal.overlap_share:.0%} of its own speed in the recording; the model shares "
-                     f"{2 * cal.overlap_share:.2f} cores among whatever computes")
+    if min(cal.rollout_share, cal.trainer_share) < 1:
+        notes.append(f"shared cores: in the recording a replica decoded at {cal.rollout_share:.0%} of its own speed "
+                     f"and the trainer's nodes ran at {cal.trainer_share:.0%} of theirs while a replica decoded; the "
+                     "async modes are simulated at those shares, a sync run's phases at their own speed")
     elif cal.recorded_mode == "sync" and setup.mode != "sync":
         notes.append("a sync recording does not show how the trainer and the replicas slow each other where they "
                      "share cores (they never overlap in it): each runs at its own speed; record an async run to "

@@ -14,8 +14,8 @@ for its environment (``ready_at``) without taking compute. A weight push pauses 
 iteration while the new weights load) and stamps later tokens with the new version; requests
 in flight keep their tokens (partial rollout), so one spans two versions.
 
-Where the replica shares cores with the trainer (:mod:`rlpipe.simulate.contention`), an iteration
-costs more while others compute. Left out: prefill cost per request (folded into the call
+Where the replica shares cores with the trainer and the driver (:mod:`rlpipe.simulate.contention`),
+its iterations run at the share of its speed the recording measured. Left out: prefill cost per request (folded into the call
 overhead of sync calls); memory limits on the running batch (a real engine queues past its KV
 cache); re-prefill after a push.
 """
@@ -84,7 +84,7 @@ class Replica:
     _turn: int = 0
     _seq: itertools.count = field(default_factory=itertools.count)
     contention: Contention | None = None
-    """The cores it shares with the trainer's nodes (None: its own)."""
+    """Its speed and the trainer's where they share cores (None: its own; rlpipe.simulate.contention)."""
 
     def __post_init__(self):
         if not (self.per_step_s > 0 or self.per_token_s > 0):  # free iterations: the loop would never advance time
@@ -129,21 +129,12 @@ class Replica:
     # -- the loop --------------------------------------------------------------------------------
     def _iteration_s(self) -> float:
         cost = self.per_step_s + self.per_token_s * len(self._running)
-        return cost / self.contention.rate if self.contention is not None else cost
+        return cost / self.contention.decode_share if self.contention is not None else cost
 
     @property
     def decoding(self) -> bool:
         """Requests are decoding now (running, not paused)."""
         return bool(self._running) and not self._paused
-
-    def advance(self) -> None:
-        """Bring the loop's progress to now (before its iteration cost changes)."""
-        self._advance()
-
-    def reschedule(self) -> None:
-        """Plan the next completion at the current iteration cost."""
-        if self.decoding:
-            self._schedule()
 
     def _decoding_may_change(self, was: bool) -> None:
         if self.contention is not None and was != self.decoding:

@@ -91,8 +91,10 @@ class SimRun:
         self.version = 0
         """The trainer's policy version (one more after every push)."""
         gen = calibration.generate
-        self.contention = Contention.from_share(self.kernel, calibration.overlap_share)
-        """The cores the trainer's nodes and the replicas share (rlpipe.simulate.contention)."""
+        self.contention = Contention(self.kernel, calibration.trainer_share,
+                                     calibration.rollout_share if setup.mode != "sync" else 1.0)
+        """How the trainer's nodes and the replicas slow each other (rlpipe.simulate.contention): a sync run's
+        generate call decodes with nothing beside it."""
         self.replicas = [Replica(self.kernel, i, gen.coef.get("decode_steps", 0.0), gen.coef.get("tokens", 0.0),
                                  self._unrouted, contention=self.contention) for i in range(setup.replicas)]
         self.contention.replicas = self.replicas

@@ -8,7 +8,8 @@ import pytest
 
 from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.modes.async_common import DECODE_SUMS
-from rlpipe.simulate.calibration import Measured, _fit_iterations, _intrinsic, _step_gap, _sync_gap
+from rlpipe.simulate.calibration import (Measured, _decoding_share, _fit_iterations, _intrinsic, _own_s, _step_gap,
+                                         _sync_gap, _trainer_share)
 from rlpipe.simulate.fit import CostFit
 
 
@@ -41,24 +42,39 @@ def test_iterations_all_of_one_size_charge_the_fixed_part():
     assert fit.coef == pytest.approx({"decode_steps": 0.004, "tokens": 0.0})
 
 
-def _record(node: str, step: int, start: float, duration: float, worker: str = "actor×1") -> NodeRecord:
+def _record(node: str, step: int, start: float, duration: float, worker: str = "actor×1",
+            run_queue_s: float | None = None) -> NodeRecord:
     return NodeRecord(run_id="r", step=step, node=node, kind=node, impl="x", params={}, params_hash="", code_hash="",
                       input_fingerprint="", output_fingerprint="", rows_in=8, rows_out=8, policy_versions=[step],
-                      trainer_version=step, start_time=start, duration_s=duration, metrics={}, worker=worker)
+                      trainer_version=step, start_time=start, duration_s=duration, metrics={}, worker=worker,
+                      run_queue_s=run_queue_s)
 
 
-def test_each_sides_own_cost_from_what_the_recording_shared():
-    """The decode loop got 3/4 of a core; the trainer computed half the run (u_t = 0.5): while both ran each got
-    c = 1 − 0.25 / 0.5 = 0.5. The replica decoded 80% of the run (u_r = 0.8), so a node ran at 0.5 for 80% of its
-    time: its own cost is its recorded one / (1 + 0.8 × (1/0.5 − 1)) = / 1.8; an iteration's own cost is 3/4 of the
-    recorded one."""
+def test_the_trainer_s_share_beside_decoding_from_its_nodes_waits_for_a_core():
+    """Nodes of 0.5 s that waited 0.1 s for a core: their own time is 0.4 s, 0.8 of their wall time. A replica
+    decoded 80% of the run (4 s span, 3.2 s of decoding), so 80% of a node's time overlapped it: 1 − 0.8 (1 − s)
+    = 0.8 gives s = 0.75. Two replicas each decoding half the run: at least one decodes 1 − 0.5² = 75% of it."""
+    measured = Measured(steps=4, steps_per_s=1.0)
+    fitted = [_record("update", s, 10.0 + s, 0.5, run_queue_s=0.1) for s in range(1, 5)]
+    assert _own_s(fitted[0]) == pytest.approx(0.4)
+    decoding = _decoding_share(3.2, measured, replicas=1)
+    assert decoding == pytest.approx(0.8)
+    assert _trainer_share(fitted, decoding) == pytest.approx(0.75)
+    assert _decoding_share(4.0, measured, replicas=2) == pytest.approx(0.75)
+    assert _trainer_share(fitted, 0.0) == 1.0  # nothing decoded beside them: no share to measure
+
+
+def test_without_the_nodes_clocks_the_replica_s_loss_is_taken_to_the_trainer_s_time():
+    """(Recordings before NodeRecord.run_queue_s.) The decode loop got 3/4 of a core; the trainer computed half the
+    run (u_t = 0.5): while both ran each got c = 1 − 0.25 / 0.5 = 0.5. The replica decoded 80% of the run, so a
+    node ran at 0.5 for 80% of its time: its own cost is its recorded one / (1 + 0.8 × (1/0.5 − 1)) = / 1.8; an
+    iteration's own cost is 3/4 of the recorded one, and the replica decodes at 3/4 of its speed."""
     measured = Measured(steps=4, steps_per_s=1.0)  # a 4 s span
     fitted = [_record("update", s, 10.0 + s, 0.5) for s in range(1, 5)]  # 2 s of trainer work
     generate = CostFit(coef={"decode_steps": 0.004, "tokens": 0.0001})
     nodes = {"update": CostFit(coef={"rows": 0.9 / 8}, floor_s=0.1)}
-    gen, own, share = _intrinsic(generate, nodes, cpu_share=0.75, decode_s=3.2, fitted=fitted, measured=measured,
-                                 replicas=1)
-    assert share == pytest.approx(0.5)
+    gen, own, shares = _intrinsic(generate, nodes, cpu_share=0.75, decoding=0.8, fitted=fitted, measured=measured)
+    assert shares == pytest.approx((0.75, 0.5))
     assert gen.coef == pytest.approx({"decode_steps": 0.003, "tokens": 0.000075})
     assert own["update"](rows=8) == pytest.approx(0.9 / 1.8) and own["update"].floor_s == pytest.approx(0.1 / 1.8)
 
