@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 STEP_END_METRIC = "timing/step_end_s"
 """A step metric: the driver's seconds on the step's records (node records, headline, sampled trajectories,
 trajectory lineage) before it hands them to the tracking process."""
+DRIVER_CALL_METRIC = "timing/driver_call_s"
+"""A step metric: the median round trip of the driver's calls to its workers during the step (the async modes'
+buffer and rollout calls; absent where it made none): what ``rlpipe simulate`` charges a call of another mode's
+protocol."""
 
 
 @dataclass
@@ -110,6 +114,8 @@ class Runtime:
         # the driver's own work on the step's records before the tracking process takes them (rlpipe simulate
         # charges it between a sync run's steps when it calibrates on an async run, whose steps overlap it)
         headline[STEP_END_METRIC] = time.perf_counter() - began
+        if trips := self.workers.take_round_trips():
+            headline[DRIVER_CALL_METRIC] = float(np.median(trips))
         self.observer.on_step_end(step, headline, sample, lineage)
         if UID in table.column_names:
             for uid in pc.unique(table.column(UID)).to_pylist():

@@ -70,6 +70,9 @@ class Recording:
     step_end_s: dict[int, float] | None = None
     """An async run's ``timing/step_end_s`` per step: the driver's own work on the step's records (None: not
     recorded, or a sync run, whose step gaps hold it)."""
+    driver_call_s: dict[int, float] | None = None
+    """An async run's ``timing/driver_call_s`` per step: the median round trip of the driver's calls to its workers
+    (None: not recorded)."""
 
 
 class Measured(Strict):
@@ -129,6 +132,10 @@ class Calibration(Strict):
     overlapped: list[tuple[str, str]] = Field(default_factory=list)
     """Pairs of nodes that ran at the same time in most recorded steps (the executor's concurrent branches);
     every other node waits for the one before it, as the executor runs them."""
+    call_s: float = Field(0.0, ge=0)
+    """A driver call's round trip (to the buffer, a replica): the median of an async recording's per-step medians
+    (``timing/driver_call_s``); 0 when not recorded. Charged for each call of a simulated mode's protocol that the
+    recording's mode does not make — its own are in its recorded gaps (rlpipe.simulate.schedules)."""
     dispatch_s: dict[str, float] = Field(default_factory=dict)
     """Per node: mean seconds between the end of the execution before it in its step and its start (the
     executor's own work between calls: lineage records, fingerprints, the next call's submission)."""
@@ -197,7 +204,7 @@ def calibrate(recording: Recording) -> Calibration:
         truncated_share=float(np.mean(np.array(flat) >= cap)) if flat else 0.0,
         step_gap_s=gap, sync_gap_s=_sync_gap(gap, recording.step_end_s, warmup, config.mode),
         dispatch_s=_dispatch(fitted, config.mode), overlapped=_overlapped(fitted),
-        rollout_share=shares[0], trainer_share=shares[1],
+        rollout_share=shares[0], trainer_share=shares[1], call_s=_call_s(recording.driver_call_s, warmup),
         measured=measured,
     )
 
@@ -295,7 +302,8 @@ def _intrinsic(generate: CostFit, nodes: dict[str, CostFit], cpu_share: float, d
         return generate.scaled(cpu_share), nodes, (cpu_share, 1.0)
     share = min(1.0, max(0.1, 1.0 - (1.0 - cpu_share) / u_t))
     slowed = 1.0 + decoding * (1.0 / share - 1.0)
-    return generate.scaled(cpu_share), {name: fit.scaled(1.0 / slowed) for name, fit in nodes.items()}, (cpu_share, share)
+    own = {name: fit.scaled(1.0 / slowed) for name, fit in nodes.items()}
+    return generate.scaled(cpu_share), own, (cpu_share, share)
 
 
 def _tokens_per_row(trajectories: pa.Table | None, records: list[NodeRecord]) -> dict:
@@ -372,6 +380,12 @@ def _sync_gap(gap: float, step_ends: dict[int, float] | None, warmup: list[int],
     """Driver time between a sync run's steps (Calibration.sync_gap_s)."""
     ends = [v for step, v in (step_ends or {}).items() if step not in warmup]
     return float(np.mean(ends)) if mode != "sync" and ends else gap
+
+
+def _call_s(calls: dict[int, float] | None, warmup: list[int]) -> float:
+    """A driver call's round trip (Calibration.call_s)."""
+    trips = [v for step, v in (calls or {}).items() if step not in warmup]
+    return float(np.median(trips)) if trips else 0.0
 
 
 def _dispatch(records: list[NodeRecord], mode: str) -> dict[str, float]:

@@ -3,9 +3,10 @@
 The same artifacts ``rlpipe lineage`` reads (:mod:`rlpipe.engine.tracking.runs`): the per-step
 ``lineage/steps/*.parquet`` parts (or ``lineage/lineage.parquet``), ``lineage/trajectories`` and the
 run's ``resolved_config.json`` — the validated config the run was started with, which ``-o``
-overrides change before they are validated again; and of an async run three step metrics: the wait
-for its batch (``async/guard_wait_s``), its replicas' decode iterations (``rollout/decode_*``) and
-the driver's records of each step (``timing/step_end_s``).
+overrides change before they are validated again; and of an async run four step metrics: the wait
+for its batch (``async/guard_wait_s``), its replicas' decode iterations (``rollout/decode_*``),
+the driver's records of each step (``timing/step_end_s``) and its calls' round trips
+(``timing/driver_call_s``).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
     except runs.RunNotFoundError:  # a run stopped before its first step ended
         trajectories = None
     config = validate_config(raw, source=f"run {run_id}'s resolved_config.json")
-    waits, decode, step_ends = None, None, None
+    waits, decode, step_ends, calls = None, None, None, None
     if config.mode != "sync":  # the driver's wait for each batch (taken out of the step gaps), the replicas' decode
         from mlflow import MlflowClient  # iterations, the driver's own records of each step
 
-        from rlpipe.engine.runtime import STEP_END_METRIC
+        from rlpipe.engine.runtime import DRIVER_CALL_METRIC, STEP_END_METRIC
         from rlpipe.modes.async_common import DECODE_SUMS, WAIT_METRIC
 
         client = MlflowClient(uri)
@@ -45,6 +46,7 @@ def load_recording(run_ref: str, tracking_uri: str | None = None,
             return {int(m.step): float(m.value) for m in client.get_metric_history(run_id, name)}
 
         waits, step_ends = history(WAIT_METRIC) or None, history(STEP_END_METRIC) or None
+        calls = history(DRIVER_CALL_METRIC) or None
         decode = {name: history(name) for name in DECODE_SUMS.values()}
         decode = decode if all(decode.values()) else None
-    return Recording(run_id, config, records, trajectories, waits, decode, step_ends), raw
+    return Recording(run_id, config, records, trajectories, waits, decode, step_ends, calls), raw

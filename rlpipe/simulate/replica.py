@@ -15,9 +15,9 @@ iteration while the new weights load) and stamps later tokens with the new versi
 in flight keep their tokens (partial rollout), so one spans two versions.
 
 Where the replica shares cores with the trainer and the driver (:mod:`rlpipe.simulate.contention`),
-its iterations run at the share of its speed the recording measured. Left out: prefill cost per request (folded into the call
-overhead of sync calls); memory limits on the running batch (a real engine queues past its KV
-cache); re-prefill after a push.
+its iterations run at the share of its speed the recording measured. Left out: prefill cost per
+request (folded into the call overhead of sync calls); memory limits on the running batch (a real
+engine queues past its KV cache); re-prefill after a push.
 """
 
 from __future__ import annotations

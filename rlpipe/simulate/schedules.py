@@ -116,19 +116,29 @@ def colocate_async(run: SimRun) -> Generator:
     hooks = {"at:pushes_weights": _push(run, released=release)}
     if release:
         hooks["before:updates_policy"] = lambda node, _: _release(run)
+    # its driver's round trips, where the recording's mode made none (run.calls): a sample per try, per collection
+    # round the collect call, the scoring task (unless the recording's scoring was one: its duration holds it)
+    # and the store; per submission the draw's store, the pending prompts' read and the replicas' submit
+    scoring_trip = int(bool(s.head) and all(run.cal.workers.get(n.name, "").split("@")[0] != "task" for n in s.head))
     if not submit(0, G):
         return
     for step in range(run.steps):
         waited = kernel.now
-        while (batch := buf.sample(G, step)) is None:
+        while True:
+            yield from run.calls(1)
+            if (batch := buf.sample(G, step)) is not None:
+                break
             if not finished and not any(r.in_flight for r in run.replicas):
                 run.fail(_starved(buf, step, G))
                 return
             if not finished:
                 yield (arrived, s.poll_s)
+            yield from run.calls(1)
             got, finished[:] = list(finished), []
             if got:  # the driver scores what it collected (tasks it waits for), then stores it
+                yield from run.calls(scoring_trip)
                 yield from run.worker("driver").use(_head_cost(run, got))
+                yield from run.calls(1)
                 for group in got:
                     buf.add_group(group.uid, group)
             if run.stalled():
@@ -138,19 +148,24 @@ def colocate_async(run: SimRun) -> Generator:
         _check_guard(run, step, groups)
         if run.failure:
             return
-        if s.overlap and step < last and not submit(step, G):
-            return
+        if s.overlap and step < last:
+            yield from run.calls(3)
+            if not submit(step, G):
+                return
         run.consume(step, groups)
         yield from run.run_nodes(step, s.train, G * s.group_size, sum(g.tokens for g in groups), hooks)
-        if not s.overlap and step < last and not submit(step + 1, G):
-            return
+        if not s.overlap and step < last:
+            yield from run.calls(3)
+            if not submit(step + 1, G):
+                return
         run.end_step(step)
         yield from run.gap()
 
 
-def _release(run: SimRun) -> None:
+def _release(run: SimRun) -> Generator:
     for replica in run.replicas:
         replica.pause()
+    yield from run.calls(1)  # the driver's call that releases them, before the update's
 
 
 def _starved(buf: SimBuffer, step: int, groups: int) -> str:

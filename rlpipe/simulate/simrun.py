@@ -164,7 +164,9 @@ class SimRun:
             if not left["groups"]:
                 done.fire()
 
-        overhead = self.cal.generate.intercept_s
+        # a sync recording's calls hold their overhead; from an async one, whose replicas decode without calls, it
+        # is a driver call's round trip
+        overhead = self.cal.generate.intercept_s if self.cal.generate_source == "calls" else self.cal.call_s
         for replica, part in zip(self.replicas, np.array_split(np.arange(len(groups)), len(self.replicas))):
             if len(part):
                 self.kernel.process(self._call_on(replica, [groups[i] for i in part], overhead, back))
@@ -234,7 +236,16 @@ class SimRun:
             self.fail(f"no step finished in {STALL_HORIZON_S:.0f} simulated seconds")
         return self.failure is not None
 
+    def calls(self, count: int) -> Generator:
+        """``count`` round trips of the driver's protocol (Calibration.call_s each), where the recording's mode made
+        none: a recording of the simulated mode holds its own in its gaps and dispatches."""
+        if count and self.cal.call_s and self.setup.mode != self.cal.recorded_mode:
+            yield from self.worker("driver").use(count * self.cal.call_s)
+
     def gap(self) -> Generator:
-        """The driver's time between steps (writing records, drawing prompts; an async mode's turnaround)."""
-        seconds = self.cal.sync_gap_s if self.setup.mode == "sync" else self.cal.step_gap_s
-        yield from self.worker("driver").use(seconds)
+        """The driver's time between steps: its records of a step, and in an async mode the turnaround it recorded —
+        its own mode's (colocate_async simulated from another mode's recording gets the records' time: its
+        protocol's calls are charged where they happen, :meth:`calls`)."""
+        mode, cal = self.setup.mode, self.cal
+        records_only = mode == "sync" or (mode == "colocate_async" and cal.recorded_mode != mode)
+        yield from self.worker("driver").use(cal.sync_gap_s if records_only else cal.step_gap_s)

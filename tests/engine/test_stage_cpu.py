@@ -1,8 +1,9 @@
-"""A chained stage's record carries its thread's clocks (rlpipe.engine.stage_call.run_chain, rlpipe.engine.thread_clock):
-CPU seconds and the seconds it waited for a core, with which ``rlpipe simulate`` takes a node's own cost out of a run
-whose cores were shared. Checked on stages this module registers: one that computes a known amount of CPU time, one
-that sleeps; with and without a deadline (a deadline runs the stage on another thread); two threads computing on one
-core wait for it about half the time (Linux)."""
+"""A chained stage's record carries its thread's clocks (rlpipe.engine.stage_call.run_chain,
+rlpipe.engine.thread_clock): CPU seconds and the seconds it waited for a core, with which ``rlpipe simulate``
+takes a node's own cost out of a run whose cores were shared. Checked on stages this module registers: one that
+computes a known amount of CPU time, one that sleeps, with and without a deadline (a deadline runs the stage on
+another thread); and a thread pinned to one core beside a process spinning on it waits for it about half the time
+(Linux)."""
 
 from __future__ import annotations
 

@@ -209,3 +209,5 @@ def test_separate_async_starts_the_next_steps_training_while_the_driver_ends_the
     starts = {r.step: r.start_time for r in observer.records if r.node == "staleness_guard"}
     early = [starts[step + 1] < observer.ended[step] for step in range(3)]
     assert any(early), (early, starts, observer.ended)
+    # the driver's calls to the buffer each step, their median round trip recorded (rlpipe simulate charges it)
+    assert all(observer.metrics[step]["timing/driver_call_s"] > 0 for step in range(4))

@@ -8,8 +8,8 @@ import pytest
 
 from rlpipe.engine.tracking.observer import NodeRecord
 from rlpipe.modes.async_common import DECODE_SUMS
-from rlpipe.simulate.calibration import (Measured, _decoding_share, _fit_iterations, _intrinsic, _own_s, _step_gap,
-                                         _sync_gap, _trainer_share)
+from rlpipe.simulate.calibration import (Measured, _call_s, _decoding_share, _fit_iterations, _intrinsic, _own_s,
+                                         _step_gap, _sync_gap, _trainer_share)
 from rlpipe.simulate.fit import CostFit
 
 
@@ -98,3 +98,8 @@ def test_a_sync_run_simulated_from_an_async_one_charges_the_driver_s_records_bet
     assert _sync_gap(0.04, {0: 0.9, 1: 0.004, 2: 0.006}, [0], "separate_async") == pytest.approx(0.005)
     assert _sync_gap(0.04, None, [0], "separate_async") == 0.04
     assert _sync_gap(0.005, {1: 0.5}, [0], "sync") == 0.005
+
+
+def test_a_driver_call_s_round_trip_is_the_median_of_the_steps_medians_after_the_warm_up():
+    assert _call_s({0: 1.0, 1: 0.004, 2: 0.009, 3: 0.005}, [0]) == pytest.approx(0.005)
+    assert _call_s(None, [0]) == 0.0  # not recorded: no call is charged

@@ -46,6 +46,26 @@ def test_colocate_release_stops_generation_from_update_to_push(tmp_path):
     assert p.max_version_lag == 1 and p.mean_versions_spanned == pytest.approx(2.0)
 
 
+def test_colocate_from_another_mode_s_recording_pays_its_driver_s_round_trips(tmp_path):
+    """Generation (0.3 s) hides behind training (0.5 s); before each step the driver makes seven calls of round
+    trip c the recording's mode did not make: a sample that finds the finished groups not yet stored, the collect,
+    the store, the sample that gets the batch, and the next step's submission (a draw, the pending prompts, the
+    replicas' submit) — which the last step does not make. The scoring recorded as a plain task holds its own
+    round trip. Steps 1–59 are measured. Recorded in colocate_async itself, its gaps hold them: nothing is added.
+    A sync generate call simulated from an async recording (whose replicas decode without calls) pays one."""
+    c = 0.01
+    rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
+    cal = calibrate(rec).model_copy(update={"call_s": c})
+    over = ["mode=colocate_async", "mode_params.release_memory_during_update=false"]
+    p = simulate(rec, raw, over, steps=60, calibration=cal).prediction
+    assert p.steps_per_s == pytest.approx(59 / (59 * T + (59 * 7 - 3) * c), rel=1e-6)
+    own = cal.model_copy(update={"recorded_mode": "colocate_async"})
+    assert simulate(rec, raw, over, steps=60, calibration=own).prediction.steps_per_s == pytest.approx(1 / T, rel=1e-6)
+    from_async = cal.model_copy(update={"recorded_mode": "separate_async", "generate_source": "iterations"})
+    p = simulate(rec, raw, steps=50, calibration=from_async).prediction
+    assert p.steps_per_s == pytest.approx(1 / (G + T + c), rel=1e-9)
+
+
 def test_separate_async_at_threshold_one_is_sync(tmp_path):
     rec, raw = handbuilt(tmp_path, {"generate": G, "update": T})
     over = ["mode=separate_async", "mode_params.max_off_policy_threshold=1", "mode_params.strategy=wait"]

@@ -50,6 +50,10 @@ class LocalWorkerCalls(DeferredCalls):
     def has_role(self, role: str) -> bool:
         return role in self.states
 
+    def take_round_trips(self) -> list[float]:
+        """None: an in-process call is a function call, not a round trip."""
+        return []
+
     def colocated(self, role: str, other: str) -> bool:
         """Never: in-process states already call each other directly (no object store between them)."""
         return False

@@ -8,6 +8,7 @@ workers the same way, with :func:`get_naming_workers`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import ray
@@ -75,10 +76,23 @@ class RayWorkerCalls(DeferredCalls):
         self._origin_lock = threading.Lock()  # the async modes' helper threads call too
         self.while_waiting: Callable[[], None] = lambda: None
         """Driver work done before blocking in :meth:`resolve` (set by :meth:`RayBackend.overlap`)."""
+        self._round_trips: list[float] = []
         super().__init__()
 
     def call(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
-        return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
+        began = time.perf_counter()
+        try:
+            return self.resolve(self.call_async(role, method, *args, rank=rank, **kwargs))
+        finally:
+            with self._origin_lock:
+                self._round_trips.append(time.perf_counter() - began)
+
+    def take_round_trips(self) -> list[float]:
+        """The seconds of every :meth:`call` since the last take (its round trip on the driver's path: submission,
+        the worker's work, the answer; the driver's own work while waiting included), oldest first."""
+        with self._origin_lock:
+            trips, self._round_trips = self._round_trips, []
+        return trips
 
     def call_async(self, role: str, method: str, *args: Any, rank: int | None = None, **kwargs: Any) -> list[Any]:
         """Like call, but returns futures that can be passed as arguments to later calls."""
