@@ -88,17 +88,25 @@ def _lineage(args) -> int:
     return 0
 
 
+def clocks_cell(cpu_s: float | None, run_queue_s: float | None) -> str:
+    """A node execution's CPU seconds and seconds waiting for a core (NodeRecord.cpu_s, run_queue_s): ``-`` where
+    not measured, ``?`` for a wait the kernel did not report."""
+    if cpu_s is None:
+        return "-"
+    return f"{cpu_s:.3f}+{run_queue_s:.3f}s" if run_queue_s is not None else f"{cpu_s:.3f}+?s"
+
+
 def _step(out: Console, step: int, records) -> None:
     t0 = records[0].start_time
     table = Table(title=f"step {step}: {len(records)} node executions")
-    for column in ("node", "kind/impl", "worker", "start", "duration", "rows", "input", "output", "versions",
-                   "trainer v", "error"):
+    for column in ("node", "kind/impl", "worker", "start", "duration", "cpu+core wait", "rows", "input", "output",
+                   "versions", "trainer v", "error"):
         table.add_column(column, no_wrap=column in ("input", "output"))
     for r in records:
         versions = ",".join(map(str, r.policy_versions)) or "-"
         table.add_row(r.node, f"{r.kind}/{r.impl}", r.worker or "-", f"+{r.start_time - t0:.3f}s", f"{r.duration_s:.3f}s",
-                      f"{r.rows_in}→{r.rows_out}", r.input_fingerprint[:12] or "-", r.output_fingerprint[:12] or "-",
-                      versions, str(r.trainer_version), r.error or "")
+                      clocks_cell(r.cpu_s, r.run_queue_s), f"{r.rows_in}→{r.rows_out}", r.input_fingerprint[:12] or "-",
+                      r.output_fingerprint[:12] or "-", versions, str(r.trainer_version), r.error or "")
     out.print(table)
     wall = max(r.start_time + r.duration_s for r in records) - t0
     out.print(f"step {step} wall time {wall:.3f}s, node time {sum(r.duration_s for r in records):.3f}s")

@@ -9,6 +9,7 @@ from io import StringIO
 import pytest
 
 from rlpipe.cli import main
+from rlpipe.cli_lineage import clocks_cell
 from rlpipe.engine.tracking import runs, traces
 
 
@@ -50,9 +51,10 @@ def test_lineage_of_a_step_is_its_node_table(inline_run, lineage):
     for line, r in zip(lines, step):
         cells = [c.strip() for c in line.split("│")[1:-1]]
         assert cells[1] == f"{r['kind']}/{r['impl']}" and cells[2] == r["worker"]
-        assert cells[4] == f"{r['duration_s']:.3f}s" and cells[5] == f"{r['rows_in']}→{r['rows_out']}"
-        assert cells[6] == (r["input_fingerprint"][:12] or "-") and cells[7] == r["output_fingerprint"][:12]
-        assert cells[9] == str(r["trainer_version"])
+        assert cells[4] == f"{r['duration_s']:.3f}s" and cells[5] == clocks_cell(r["cpu_s"], r["run_queue_s"])
+        assert cells[6] == f"{r['rows_in']}→{r['rows_out']}"
+        assert cells[7] == (r["input_fingerprint"][:12] or "-") and cells[8] == r["output_fingerprint"][:12]
+        assert cells[10] == str(r["trainer_version"])
     assert re.search(r"step 1 wall time \d+\.\d+s", out)
 
 

@@ -12,12 +12,13 @@ iterations as a fluid (``progress``), each request finishes at the progress it e
 its length, and the next completion is the smallest of those (a heap). A request waits
 for its environment (``ready_at``) without taking compute. A weight push pauses the loop (no
 iteration while the new weights load) and stamps later tokens with the new version; requests
-in flight keep their tokens (partial rollout), so one spans two versions.
+in flight keep their tokens (partial rollout), so one spans two versions; the engine prefills them again
+under the new weights before it decodes on (their tokens so far, each at a running request's cost).
 
 Where the replica shares cores with the trainer and the driver (:mod:`rlpipe.simulate.contention`),
 its iterations run at the share of its speed the recording measured. Left out: prefill cost per
 request (folded into the call overhead of sync calls); memory limits on the running batch (a real
-engine queues past its KV cache); re-prefill after a push.
+engine queues past its KV cache).
 """
 
 from __future__ import annotations
@@ -192,12 +193,20 @@ class Replica:
         self._decoding_may_change(was)
 
     def resume(self, version: int | None = None) -> None:
-        """Decode again, on weights ``version`` when given (later tokens carry it)."""
+        """Decode again, on weights ``version`` when given (later tokens carry it): the requests a push stopped are
+        first prefilled again under the new weights — their tokens so far, each at a decoding request's cost."""
         self._advance()
         was = self.decoding
         self._paused = max(0, self._paused - 1)
-        if version is not None:
+        redo = 0.0
+        if version is not None and version != self.version:
+            redo = self.per_token_s * sum(r.tokens - (r.finish_progress - self.progress) for _, _, r in self._running)
             self.version = version
+        if redo > 0 and not self._paused:
+            self._paused += 1
+            cost = redo / self.contention.decode_share if self.contention is not None else redo
+            self.busy_s += cost
+            self.kernel.call_later(cost, self.resume)
         self._schedule()
         self._decoding_may_change(was)
 

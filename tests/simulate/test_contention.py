@@ -74,3 +74,23 @@ def test_a_node_waits_on_two_replicas_until_the_last_stops():
     kernel.process(run_node())
     kernel.run(lambda: "at" in node and len(done) == 2)
     assert done == pytest.approx([0.5, 1.0]) and node["at"] == pytest.approx(1.5)
+
+
+def test_a_push_re_prefills_the_requests_it_stopped():
+    """One request of 100 tokens at 10 ms an iteration (all per running request). Paused at 0.5 s (50 tokens
+    decoded) and resumed at once on new weights: its 50 tokens are prefilled again, 50 × 10 ms, before it decodes
+    on — done at 1.5 s; resumed on the same weights (a pause that loads nothing), at 1.0 s."""
+    for version, ends in ((1, 1.5), (None, 1.0)):
+        kernel = Kernel()
+        done = {}
+        replica = Replica(kernel, 0, 0.0, 0.01, lambda g, r: done.setdefault("at", kernel.now))
+        replica.submit(Group(0, 0, [100]), [0.0])
+
+        def push():
+            yield 0.5
+            replica.pause()
+            replica.resume(version)
+
+        kernel.process(push())
+        kernel.run(lambda: "at" in done)
+        assert done["at"] == pytest.approx(ends)
