@@ -148,14 +148,16 @@ def main() -> None:
     # from its configuration's typical speed (one run's slow or fast spell, which every prediction inherits) is out
     own = rows.get(args.record)
     scale = (own["measured"]["samples_per_s"] / own["predicted"]["samples_per_s"]
-             if own and own["measured"]["samples_per_s"] and own["predicted"]["samples_per_s"] else float("nan"))
+             if own and own["measured"]["samples_per_s"] and own["predicted"]["samples_per_s"] else None)
     print("| configuration | samples/s predicted | measured (mean, range) | error | relative to the recorded config | "
           "mean staleness predicted | measured | diff |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         p, m = r["predicted"], r["measured"]
         err = (p["samples_per_s"] / m["samples_per_s"] - 1) if m["samples_per_s"] else float("nan")
-        r["relative_error"] = p["samples_per_s"] * scale / m["samples_per_s"] - 1 if m["samples_per_s"] else None
+        # None (not NaN, which is not JSON) where the recorded configuration was not run again
+        r["relative_error"] = (p["samples_per_s"] * scale / m["samples_per_s"] - 1
+                               if scale is not None and m["samples_per_s"] else None)
         diff = (p["mean_staleness"] - m["mean_staleness"]) if m["mean_staleness"] is not None else float("nan")
         lo, hi = m["samples_per_s_range"] or (float("nan"), float("nan"))
         relative = f"{r['relative_error']:+.0%}" if r["relative_error"] is not None else "–"

@@ -244,7 +244,7 @@ def _fit_iterations(sums: dict[str, dict[int, float]], warmup: list[int]
     when no iteration was recorded."""
     from rlpipe.modes.async_common import DECODE_SUMS
 
-    total = {key: sum(v for step, v in sums[name].items() if step not in warmup) for key, name in DECODE_SUMS.items()}
+    total = {key: sum(_past_warmup(sums[name], warmup)) for key, name in DECODE_SUMS.items()}
     n, k, k2, t, kt = (total[key] for key in ("decode_steps", "decode_tokens", "decode_tokens_sq", "decode_s",
                                                 "decode_token_s"))
     if n <= 0 or t <= 0:
@@ -376,15 +376,20 @@ def _step_gap(records: list[NodeRecord], mode: str, waits: dict[int, float] | No
     return float(np.percentile(gaps, 10) if async_unknown else np.mean(gaps))
 
 
+def _past_warmup(per_step: dict[int, float] | None, warmup: list[int]) -> list[float]:
+    """A step metric's values of the steps after the warm-up."""
+    return [v for step, v in (per_step or {}).items() if step not in warmup]
+
+
 def _sync_gap(gap: float, step_ends: dict[int, float] | None, warmup: list[int], mode: str) -> float:
     """Driver time between a sync run's steps (Calibration.sync_gap_s)."""
-    ends = [v for step, v in (step_ends or {}).items() if step not in warmup]
+    ends = _past_warmup(step_ends, warmup)
     return float(np.mean(ends)) if mode != "sync" and ends else gap
 
 
 def _call_s(calls: dict[int, float] | None, warmup: list[int]) -> float:
     """A driver call's round trip (Calibration.call_s)."""
-    trips = [v for step, v in (calls or {}).items() if step not in warmup]
+    trips = _past_warmup(calls, warmup)
     return float(np.median(trips)) if trips else 0.0
 
 

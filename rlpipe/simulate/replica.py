@@ -129,8 +129,11 @@ class Replica:
 
     # -- the loop --------------------------------------------------------------------------------
     def _iteration_s(self) -> float:
-        cost = self.per_step_s + self.per_token_s * len(self._running)
-        return cost / self.contention.decode_share if self.contention is not None else cost
+        return self._at_share(self.per_step_s + self.per_token_s * len(self._running))
+
+    def _at_share(self, seconds: float) -> float:
+        """Wall seconds of ``seconds`` of the loop's own work, at the share of its speed it runs at."""
+        return seconds / self.contention.decode_share if self.contention is not None else seconds
 
     @property
     def decoding(self) -> bool:
@@ -204,7 +207,7 @@ class Replica:
             self.version = version
         if redo > 0 and not self._paused:
             self._paused += 1
-            cost = redo / self.contention.decode_share if self.contention is not None else redo
+            cost = self._at_share(redo)
             self.busy_s += cost
             self.kernel.call_later(cost, self.resume)
         self._schedule()

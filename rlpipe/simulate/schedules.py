@@ -119,7 +119,7 @@ def colocate_async(run: SimRun) -> Generator:
     # its driver's round trips, where the recording's mode made none (run.calls): a sample per try, per collection
     # round the collect call, the scoring task (unless the recording's scoring was one: its duration holds it)
     # and the store; per submission the draw's store, the pending prompts' read and the replicas' submit
-    scoring_trip = int(bool(s.head) and all(run.cal.workers.get(n.name, "").split("@")[0] != "task" for n in s.head))
+    scoring_trip = int(bool(s.head) and all(n.resource is not None for n in s.head))
     if not submit(0, G):
         return
     for step in range(run.steps):
@@ -159,7 +159,7 @@ def colocate_async(run: SimRun) -> Generator:
             if not submit(step + 1, G):
                 return
         run.end_step(step)
-        yield from run.gap()
+        yield from run.gap(turnaround=run.recorded_protocol)
 
 
 def _release(run: SimRun) -> Generator:

@@ -236,16 +236,21 @@ class SimRun:
             self.fail(f"no step finished in {STALL_HORIZON_S:.0f} simulated seconds")
         return self.failure is not None
 
+    @property
+    def recorded_protocol(self) -> bool:
+        """The recording is of the simulated mode: its gaps and dispatches hold the driver's protocol."""
+        return self.setup.mode == self.cal.recorded_mode
+
     def calls(self, count: int) -> Generator:
         """``count`` round trips of the driver's protocol (Calibration.call_s each), where the recording's mode made
-        none: a recording of the simulated mode holds its own in its gaps and dispatches."""
-        if count and self.cal.call_s and self.setup.mode != self.cal.recorded_mode:
+        none (:attr:`recorded_protocol`)."""
+        if count and self.cal.call_s and not self.recorded_protocol:
             yield from self.worker("driver").use(count * self.cal.call_s)
 
-    def gap(self) -> Generator:
-        """The driver's time between steps: its records of a step, and in an async mode the turnaround it recorded —
-        its own mode's (colocate_async simulated from another mode's recording gets the records' time: its
+    def gap(self, turnaround: bool = True) -> Generator:
+        """The driver's time between steps: its records of a step, and in an async mode with ``turnaround`` the
+        turnaround the recording measured (colocate_async simulated from another mode's recording passes False: its
         protocol's calls are charged where they happen, :meth:`calls`)."""
-        mode, cal = self.setup.mode, self.cal
-        records_only = mode == "sync" or (mode == "colocate_async" and cal.recorded_mode != mode)
-        yield from self.worker("driver").use(cal.sync_gap_s if records_only else cal.step_gap_s)
+        cal = self.cal
+        yield from self.worker("driver").use(cal.step_gap_s if turnaround and self.setup.mode != "sync"
+                                             else cal.sync_gap_s)
